@@ -1,0 +1,82 @@
+"""Engine settings: one frozen dataclass, validated once, built from serve_config.yaml values."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+class SchedulingPolicy(str, enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Prefix-cache tiers. `ram_bytes=None` means a fraction (`ram_fraction`) of the machine's memory."""
+
+    enabled: bool = True
+    ram_bytes: int | None = None
+    ram_fraction: float = 0.1
+    ssd_dir: str | None = None  # None: no SSD tier
+    ssd_bytes: int = 8 * 2**30
+    block_size: int = 64  # tokens per hash-chain block on the SSD tier
+    min_restore_tokens: int = 32  # shorter prefixes are recomputed, not restored
+    write_queue: int = 64
+    quantize_bits: int | None = None  # 4 or 8: quantize stored entries
+    quantize_group_size: int = 64
+    quantize_min_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.ram_bytes is not None and self.ram_bytes < 0:
+            raise ValueError("cache.ram_bytes must be >= 0")
+        if not 0.0 <= self.ram_fraction <= 0.9:
+            raise ValueError("cache.ram_fraction must be in [0, 0.9]")
+        if self.block_size < 1:
+            raise ValueError("cache.block_size must be >= 1")
+        if self.quantize_bits not in (None, 4, 8):
+            raise ValueError("cache.quantize_bits must be 4, 8 or null")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    max_running: int = 32  # sequences decoding together (BatchGenerator completion batch)
+    max_waiting: int = 256  # bounded waiting queue; past it requests are refused as overloaded
+    max_batch_tokens: int = 8192  # token budget for prompts admitted into prefill at once
+    prefill_chunk: int = 256  # prompt tokens per prefill step; bounds the stall of running decodes
+    prefill_batch: int = 8  # prompts prefilled together (grouped by length)
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_model_len: int | None = None  # None: the model's own context length
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256
+    max_kv_size: int | None = None  # rotating KV cache bound per request (tokens)
+    request_timeout_s: float | None = 600.0
+    dtype: str | None = None  # None: float32 on CPU, keep checkpoint dtype/quantization on GPU
+    warmup_prompts: tuple[str, ...] = ()
+    cache: CacheConfig = CacheConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_waiting", "max_batch_tokens", "prefill_chunk", "prefill_batch",
+                     "max_tokens_limit", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_batch > self.max_running:
+            raise ValueError("engine.prefill_batch cannot exceed engine.max_running")
+        if not isinstance(self.policy, SchedulingPolicy):
+            object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """Build from plain YAML/JSON values; unknown keys are an error so typos do not pass silently."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown engine settings: {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(values)
+        if isinstance(values.get("cache"), Mapping):
+            values["cache"] = CacheConfig(**values["cache"])
+        if "warmup_prompts" in values:
+            values["warmup_prompts"] = tuple(values["warmup_prompts"])
+        return cls(**values)
