@@ -1,0 +1,219 @@
+"""One engine step: schedule, run one `BatchGenerator` step, turn responses into events, store caches.
+
+Runs only on the MLX thread (see `engine.loop`). Nothing here blocks on I/O: the prefix store takes
+copies and writes to disk behind the request path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from cache_tiers.store import NullStore, PrefixStore
+from engine.config import EngineConfig
+from engine.runner import Generated, PromptProgress, Runner
+from engine.sampling import make_decoding, top_logprobs
+from engine.scheduler import BatchView, Scheduler
+from engine.sequence import Sequence
+from engine.stats import EngineStats
+from engine.text import TextStream
+from engine.types import FinishReason, Request, RequestStatus, TokenEvent, TokenLogprob
+
+log = logging.getLogger("pomona.engine")
+
+
+class Engine:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.store: PrefixStore = store or NullStore()
+        self.scheduler = Scheduler(config)
+        self.runner = Runner(model, config)
+        self.stats = EngineStats()
+        self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
+        self._eos = sorted(tokenizer.eos_token_ids)
+        self._clock = clock
+        self._min_store = max(1, config.cache.min_restore_tokens)
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request (raises `OverloadedError` when the waiting queue is full)."""
+        if request.request_id in self.seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        try:
+            self.scheduler.add_request(request)
+        except Exception:
+            self.stats.requests_rejected += 1
+            raise
+        timeout = self.config.request_timeout_s
+        self.seqs[request.request_id] = Sequence(
+            request=request,
+            text=TextStream(self.tokenizer.detokenizer, request.params.stop),
+            deadline=None if timeout is None else request.arrival_time + timeout,
+        )
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                      error: str | None = None) -> list[TokenEvent]:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return []
+        if seq.status is RequestStatus.WAITING:
+            self.scheduler.finish_requests({request_id})
+        else:
+            self._remove_running(seq, store=True)
+        return [self._final(seq, reason, "", error=error)]
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def view(self) -> BatchView:
+        prefilling = [s for s in self.seqs.values() if s.status is RequestStatus.PREFILLING]
+        lefts = [s.prefill_left for s in prefilling]
+        return BatchView(
+            running=len(self.runner),
+            prefilling=len(prefilling),
+            prefill_tokens_left=sum(lefts),
+            prefill_min_left=min(lefts, default=0),
+            prefill_max_left=max(lefts, default=0),
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        events = self._expire()
+        for request in self.scheduler.schedule(self.view()).admit:
+            events += self._admit(self.seqs[request.request_id])
+        decoding = any(s.status is RequestStatus.DECODING for s in self.seqs.values())
+        started = time.perf_counter()
+        try:
+            prompts, generated = self.runner.step()
+        except Exception as exc:  # contain the fault: fail this batch, keep serving
+            return events + self._recover(exc)
+        self.stats.record_step(time.perf_counter() - started, len(generated), decoding)
+        self._on_prompts(prompts)
+        return events + self._on_generated(generated)
+
+    def _admit(self, seq: Sequence) -> list[TokenEvent]:
+        tokens = seq.request.prompt_tokens
+        hit = self.store.lookup(tokens)
+        cached = hit.num_tokens if hit is not None else 0
+        params = seq.request.params
+        try:
+            self.runner.insert(seq.request_id, tokens[cached:], tokens[:cached], hit.cache if hit else None,
+                               make_decoding(params, len(tokens), self._eos), params.max_tokens)
+        except Exception as exc:
+            log.exception("could not start request %s", seq.request_id)
+            return [self._final(seq, FinishReason.ERROR, "", error=f"could not start the request: {exc}")]
+        seq.cached_tokens, seq.cache_tier = cached, (hit.tier if hit else None)
+        seq.admitted_at = self._clock()
+        seq.advance(RequestStatus.PREFILLING)
+        self.stats.prompt_tokens_total += len(tokens)
+        self.stats.cached_tokens_total += cached
+        return []
+
+    def _on_prompts(self, prompts: list[PromptProgress]) -> None:
+        for p in prompts:
+            seq = self.seqs.get(p.request_id)
+            if seq is None:
+                continue
+            seq.prefill_done = p.done
+            if p.end_of_prompt and seq.prompt_len >= self._min_store:
+                self._offer(seq, self.runner.extract(seq.request_id), "prompt")
+
+    def _on_generated(self, generated: list[Generated]) -> list[TokenEvent]:
+        events = []
+        now = self._clock()
+        for g in generated:
+            seq = self.seqs.get(g.request_id)
+            if seq is None:
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                seq.advance(RequestStatus.DECODING)
+            seq.output_tokens += 1
+            seq.last_token_at = now
+            events.append(self._token_event(seq, g))
+        return events
+
+    def _token_event(self, seq: Sequence, g: Generated) -> TokenEvent:
+        logprob = self._logprob(seq, g)
+        if g.finish_reason == "stop":  # EOS or a stop token id: its text is not part of the output
+            delta = seq.text.finish()
+            self._offer(seq, (g.cache, g.tokens) if g.cache else None, "finished")
+            return self._final(seq, FinishReason.STOP, delta.text, token=g.token, logprob=logprob)
+        delta = seq.text.add(g.token)
+        if delta.stopped:
+            self._remove_running(seq, store=True)
+            return self._final(seq, FinishReason.STOP, delta.text, token=g.token, logprob=logprob)
+        if g.finish_reason == "length":
+            tail = seq.text.finish()
+            self._offer(seq, (g.cache, g.tokens) if g.cache else None, "finished")
+            reason = FinishReason.STOP if tail.stopped else FinishReason.LENGTH
+            return self._final(seq, reason, delta.text + tail.text, token=g.token, logprob=logprob)
+        return TokenEvent(seq.request_id, g.token, delta.text, logprob)
+
+    def _logprob(self, seq: Sequence, g: Generated) -> TokenLogprob | None:
+        n = seq.request.params.logprobs
+        if n is None:
+            return None
+        chosen, top = top_logprobs(g.logprobs, g.token, n)
+        return TokenLogprob(g.token, chosen, top)
+
+    # -- endings ------------------------------------------------------------------------------
+    def _final(self, seq: Sequence, reason: FinishReason, text: str, token: int | None = None,
+               logprob: TokenLogprob | None = None, error: str | None = None) -> TokenEvent:
+        seq.finish(reason)
+        self.seqs.pop(seq.request_id, None)
+        self.stats.requests_finished[reason.value] += 1
+        return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error)
+
+    def _remove_running(self, seq: Sequence, store: bool) -> None:
+        keep = store and seq.status is RequestStatus.DECODING
+        removed = self.runner.remove(seq.request_id, return_cache=keep)
+        if keep:
+            self._offer(seq, removed, "finished")
+
+    def _offer(self, seq: Sequence, cache_and_tokens: tuple[list[Any], list[int]] | None, kind: str) -> None:
+        if cache_and_tokens is None or isinstance(self.store, NullStore):
+            return
+        cache, tokens = cache_and_tokens
+        if len(tokens) < self._min_store:
+            return
+        try:
+            self.store.offer(list(tokens), cache, kind)  # type: ignore[arg-type]
+        except Exception:  # the cache is an optimisation: never fail a request over it
+            log.exception("prefix store refused an offer for %s", seq.request_id)
+
+    def _expire(self) -> list[TokenEvent]:
+        now = self._clock()
+        late = [s for s in self.seqs.values() if s.deadline is not None and now > s.deadline]
+        events = []
+        for seq in late:
+            limit = self.config.request_timeout_s
+            events += self.abort_request(
+                seq.request_id, FinishReason.ERROR,
+                error=f"The request exceeded the server's {limit:.0f} s time limit; "
+                      "ask for fewer tokens or retry when the server is less busy.")
+        return events
+
+    def _recover(self, exc: Exception) -> list[TokenEvent]:
+        """A step failed: fail the requests in the batch, rebuild the batch, keep the queue."""
+        log.exception("engine step failed; failing the running batch and rebuilding it")
+        self.stats.faults += 1
+        events = []
+        for request_id in self.runner.reset():
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                events.append(self._final(seq, FinishReason.ERROR, "", error=(
+                    f"The server hit an internal error while generating ({type(exc).__name__}: {exc}). "
+                    "The request was stopped; retrying it is safe.")))
+        return events
+
+    def running_status(self) -> list[dict]:
+        now = self._clock()
+        return [s.describe(now) for s in self.seqs.values()]
+
+    def close(self) -> None:
+        self.runner.close()
+        self.store.close()

@@ -1,0 +1,273 @@
+"""The one MLX thread and the asyncio bridge to it.
+
+Every MLX call (model loading, the batch step, cache copies) happens on one dedicated thread that
+owns the `Engine`. Asyncio callers talk to it through a thread-safe command queue; the thread hands
+each step's events back with one `call_soon_threadsafe` per event loop per step, so the cost of the
+hand-off does not grow with the number of tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from cache_tiers.store import PrefixStore
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.types import (ContextLengthError, EngineClosedError, FinishReason, Request, SamplingParams,
+                          TokenEvent)
+
+log = logging.getLogger("pomona.engine")
+
+IDLE_WAIT_S = 0.5
+STATS_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the MLX thread needs to build an engine: produced by a loader on that thread."""
+
+    model: Any
+    tokenizer: Any
+    context_length: int
+    name: str
+    fingerprint: str
+
+
+Loader = Callable[[EngineConfig], Loaded]
+StoreFactory = Callable[[EngineConfig, Loaded], PrefixStore]
+
+
+def default_loader(config: EngineConfig) -> Loaded:
+    from engine.models import load_model, resolve_model
+
+    loaded = load_model(resolve_model(config.model), config.dtype)
+    return Loaded(loaded.model, loaded.tokenizer, loaded.context_length, config.model, loaded.fingerprint)
+
+
+def default_store(config: EngineConfig, loaded: Loaded) -> PrefixStore:
+    from cache_tiers.store import NullStore
+
+    if not config.cache.enabled:
+        return NullStore()
+    from cache_tiers import build_store
+
+    return build_store(config.cache, loaded.fingerprint)
+
+
+class _Stream:
+    """One request's mailbox on the asyncio side."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, loader: Loader = default_loader,
+                 store_factory: StoreFactory = default_store) -> None:
+        self.config = config
+        self._loader, self._store_factory = loader, store_factory
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ready = concurrent.futures.Future()
+        self._stats: dict[str, Any] = {"ready": False}
+        self._closing = False
+        self._engine: Engine | None = None
+        self.tokenizer: Any = None
+        self.context_length = 0
+        self.model_name = config.model
+        self._thread = threading.Thread(target=self._run, name="pomona-mlx", daemon=True)
+        self._thread.start()
+
+    # -- asyncio API --------------------------------------------------------------------------
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(asyncio.wrap_future(self._ready), timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.done() and self._ready.exception() is None
+
+    def check(self, request: Request) -> None:
+        """Refuse a request that can never run, before it is queued."""
+        if self._closing:
+            raise EngineClosedError("The server is shutting down; retry on another replica.")
+        need = len(request.prompt_tokens) + request.params.max_tokens
+        if self.context_length and need > self.context_length:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.context_length} tokens, but the request "
+                f"needs {need} ({len(request.prompt_tokens)} in the prompt + {request.params.max_tokens} "
+                "for the completion). Shorten the prompt or lower max_tokens.")
+        if request.params.max_tokens > self.config.max_tokens_limit:
+            raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit} on this server")
+
+    async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+        """Events in batches: everything available whenever the consumer asks (no added delay).
+
+        Raises before the first batch if the request is refused (overload, context length).
+        Leaving the iteration early (a client disconnect) aborts the request in the engine.
+        """
+        self.check(request)
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                batch = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    batch.append(stream.queue.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                finished = batch[-1].finished
+                yield batch
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+
+    async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
+        async for batch in self.stream(request):
+            for event in batch:
+                yield event
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; takes effect at the start of the next step."""
+        self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the MLX thread (cache administration, status) and await its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    async def shutdown(self, drain_s: float = 0.0) -> None:
+        """Stop taking requests, let running ones finish for up to `drain_s`, then stop."""
+        self._closing = True
+        deadline = time.monotonic() + drain_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._commands.put(("stop", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+
+    # -- the MLX thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self._build()
+        except BaseException as exc:  # report loading failures to every waiter
+            log.exception("engine failed to start")
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
+        last_stats = 0.0
+        while True:
+            if not self._handle_commands(engine, block=not engine.has_work()):
+                break
+            busy = engine.has_work()
+            if busy:
+                self._deliver(engine.step())
+            if time.monotonic() - last_stats > STATS_EVERY_S or (busy and not engine.has_work()):
+                self._publish_stats(engine)
+                last_stats = time.monotonic()
+        for request_id in list(engine.seqs):
+            self._deliver(engine.abort_request(request_id, FinishReason.ABORT, "the server is shutting down"))
+        engine.close()
+
+    def _build(self) -> Engine:
+        loaded = self._loader(self.config)
+        self.tokenizer, self.context_length, self.model_name = loaded.tokenizer, loaded.context_length, loaded.name
+        if self.config.max_model_len:
+            self.context_length = min(self.context_length, self.config.max_model_len)
+        engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded))
+        self._engine = engine
+        self._warm_up(engine)
+        self._publish_stats(engine)
+        return engine
+
+    def _warm_up(self, engine: Engine) -> None:
+        """Prefill the configured prompts so that the first real request already hits the cache."""
+        for i, prompt in enumerate(self.config.warmup_prompts):
+            tokens = tuple(self.tokenizer.encode(prompt))
+            engine.add_request(Request(tokens, SamplingParams(max_tokens=1, temperature=0.0),
+                                       request_id=f"warmup-{i}"))
+            while engine.has_work():
+                engine.step()
+
+    def _handle_commands(self, engine: Engine, block: bool) -> bool:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = command
+            if kind == "stop":
+                return False
+            self._handle(engine, kind, arg)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, engine: Engine, kind: str, arg: Any) -> None:
+        if kind == "add":
+            try:
+                engine.add_request(arg)
+            except Exception as exc:
+                self._post(arg.request_id, exc)
+        elif kind == "abort":
+            self._deliver(engine.abort_request(arg))
+        elif kind == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(engine))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _post(self, request_id: str, item: Any) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        if not events:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenEvent]]] = {}
+        with self._lock:
+            for event in events:
+                stream = self._streams.get(event.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop has closed; its requests are gone
+                pass
+
+    def _publish_stats(self, engine: Engine) -> None:
+        view = engine.view()
+        stats = engine.stats.as_dict()
+        stats.update(ready=True, model=self.model_name, waiting=len(engine.scheduler), running=view.running,
+                     prefilling=view.prefilling, kv_bytes=engine.runner.cache_nbytes(),
+                     cache=engine.store.stats())
+        self._stats = stats
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for q, event in items:
+        q.put_nowait(event)

@@ -1,0 +1,113 @@
+"""Admission policy: who waits, who runs next. Imports no MLX, so it is tested with no model at all.
+
+The scheduler sees the running batch only through a `BatchView` of counts, and answers with the
+requests to admit now. Admission respects four limits:
+- the cap on running sequences (`max_running`);
+- the number of prompts in prefill at once (`prefill_batch`);
+- a token budget over prompts in prefill (`max_batch_tokens`), always letting one prompt through so
+  a prompt longer than the budget still runs (alone);
+- length grouping: mlx-lm pads the chunks of prompts prefilled together to the longest chunk, so
+  a short prompt joins a running prefill only when the padding is small, or when waiting for that
+  prefill to end would cost more than the padding (it has more than two chunks left).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SchedulingPolicy
+from engine.types import OverloadedError, Request
+
+LENGTH_GROUP_RATIO = 2.0  # a prompt joins a running prefill only within this length ratio
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What the scheduler needs to know about the running batch."""
+
+    running: int = 0  # all admitted, unfinished sequences (prefilling + decoding)
+    prefilling: int = 0
+    prefill_tokens_left: int = 0  # prompt tokens still to prefill, summed
+    prefill_min_left: int = 0  # the shortest remaining prompt among those prefilling
+    prefill_max_left: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    admit: tuple[Request, ...] = ()
+
+
+@dataclass(order=True)
+class _Entry:
+    key: tuple[int, float, int]
+    request: Request = field(compare=False)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._heap: list[_Entry] = []
+        self._order = itertools.count()
+        self._cancelled: set[str] = set()
+        self._ids: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add_request(self, request: Request) -> None:
+        """Queue `request`; refuse it when the waiting queue is full."""
+        if len(self._ids) >= self.config.max_waiting:
+            raise OverloadedError(
+                f"The server is at capacity ({self.config.max_waiting} requests waiting). "
+                "Retry after a short delay, or lower your request rate.",
+                retry_after_s=1.0,
+            )
+        if request.request_id in self._ids:
+            raise ValueError(f"request id {request.request_id!r} is already waiting")
+        priority = request.priority if self.config.policy is SchedulingPolicy.PRIORITY else 0
+        heapq.heappush(self._heap, _Entry((priority, request.arrival_time, next(self._order)), request))
+        self._ids.add(request.request_id)
+
+    def finish_requests(self, request_ids: set[str]) -> list[Request]:
+        """Drop waiting requests (aborted or timed out); returns those that were waiting."""
+        dropped = [e.request for e in self._heap if e.request.request_id in request_ids]
+        for request in dropped:
+            self._ids.discard(request.request_id)
+            self._cancelled.add(request.request_id)
+        return dropped
+
+    def waiting(self) -> list[Request]:
+        return [e.request for e in sorted(self._heap) if e.request.request_id not in self._cancelled]
+
+    def schedule(self, view: BatchView) -> SchedulerOutput:
+        admitted: list[Request] = []
+        running, prefilling = view.running, view.prefilling
+        tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
+        while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
+            head = self._heap[0].request
+            if head.request_id in self._cancelled:
+                heapq.heappop(self._heap)
+                self._cancelled.discard(head.request_id)
+                continue
+            size = len(head.prompt_tokens)
+            if prefilling and not self._fits(size, tokens, shortest, longest):
+                break  # FCFS / priority order: the head waits rather than being overtaken
+            heapq.heappop(self._heap)
+            self._ids.discard(head.request_id)
+            admitted.append(head)
+            running, prefilling, tokens = running + 1, prefilling + 1, tokens + size
+            shortest = size if shortest == 0 else min(shortest, size)
+            longest = max(longest, size)
+        return SchedulerOutput(tuple(admitted))
+
+    def _fits(self, size: int, tokens: int, shortest: int, longest: int) -> bool:
+        if tokens + size > self.config.max_batch_tokens:
+            return False
+        chunk = self.config.prefill_chunk
+        if longest > 2 * chunk:
+            return True
+        low = min(size, shortest or size, chunk)
+        high = min(max(size, longest), chunk)
+        return high <= LENGTH_GROUP_RATIO * max(low, 1)
