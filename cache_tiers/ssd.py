@@ -1,0 +1,194 @@
+"""SSD tier: entries at block boundaries in a diskcache directory, written behind by one thread.
+
+Layout. An entry covering k blocks is stored under `entry_key(chain[k-1])`; alongside, a small
+marker `marker_key(chain[j-1]) -> entry key` for every j <= k says "an entry extends through
+block j". Entries are written only at block boundaries (a trimmable cache is cut down to the
+largest multiple of block_size; a rotated cache that is not aligned is not stored).
+
+Probe. Marker presence is (up to independent LRU eviction) monotone along a prompt's chain: if a
+marker exists at block j, one exists at every block before it. So the longest stored prefix is
+found by binary search over chain positions with `contains` (no value read, no LRU write):
+~log2(len/block_size) + 1 SQLite lookups, e.g. 6 for a 2,000-token prompt with 64-token blocks,
+against up to 31 when probing from the longest down. A gap left by eviction can only make the
+answer shorter, never wrong. The entry a marker names may extend past the prompt and is trimmed,
+so a stored conversation serves every prompt that shares a block prefix with it. Stored token
+ids are compared with the prompt before use: a hash collision or stale marker is a miss.
+
+Threads. `find`, `offer`, `clear` run on the engine's MLX thread; the writer thread only
+serializes numpy views (`codec.encode`) and calls `Storage`; it never calls MLX.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import codec
+from .keys import block_chain, chain_seed, entry_key, marker_key
+from .snapshot import Snapshot, common_prefix, truncate, usable_length
+from .stats import TierCounters
+from .storage import Storage, is_disk_full
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SsdMatch:
+    snap: Snapshot  # the whole stored entry (promoted to RAM as is)
+    num_tokens: int  # prompt tokens it can serve
+
+
+@dataclass(frozen=True)
+class _Write:
+    key: str
+    markers: tuple[str, ...]
+    entry: codec.HostEntry
+
+
+class SsdTier:
+    def __init__(self, storage: Storage, fingerprint: str, block_size: int,
+                 queue_items: int = 64, queue_bytes: int = 2**30) -> None:
+        self.storage = storage
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.seed = chain_seed(fingerprint)
+        self.counters = TierCounters()
+        self.writes_enabled = True
+        self._queue_bytes = queue_bytes
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=max(1, queue_items))
+        self._writer = threading.Thread(target=self._write_loop, name="pomona-ssd-writer", daemon=True)
+        self._writer.start()
+
+    # ---- MLX thread -------------------------------------------------------------------------
+
+    def offer(self, snap: Snapshot, block: bool = False) -> bool:
+        """Queue `snap` (cut to a block boundary) for writing; False if not queued. Only `close`
+        blocks: the engine's thread must never wait for the disk."""
+        if not self.writes_enabled:
+            return False
+        k = snap.num_tokens // self.block_size
+        if k == 0 or (k * self.block_size != snap.num_tokens and not snap.trimmable):
+            self.counters.rejected += 1
+            return False
+        snap = truncate(snap, k * self.block_size)
+        chain = block_chain(snap.tokens, self.block_size, self.seed)
+        item = _Write(entry_key(chain[-1]), tuple(marker_key(d) for d in chain), codec.to_host(snap))
+        size = item.entry.nbytes
+        with self._lock:
+            if not block and self._pending_bytes and self._pending_bytes + size > self._queue_bytes:
+                self.counters.write_drops += 1
+                return False
+            self._pending_bytes += size
+        try:
+            self._queue.put(item, block=block)
+        except queue.Full:
+            with self._lock:
+                self._pending_bytes -= size
+            self.counters.write_drops += 1
+            return False
+        return True
+
+    def find(self, tokens: np.ndarray, min_blocks: int = 1) -> SsdMatch | None:
+        """The stored entry serving the longest prefix of `tokens` from block `min_blocks` up."""
+        chain = block_chain(tokens, self.block_size, self.seed)
+        try:
+            j = self._longest_marker(chain, max(1, min_blocks))
+            if j == 0:
+                return None
+            return self._load(chain[j - 1], j, tokens)
+        except Exception as e:  # a failing disk must never fail a request
+            self.counters.read_errors += 1
+            log.warning("prefix cache: SSD read failed: %s", e)
+            return None
+
+    def _longest_marker(self, chain: list[bytes], lo: int) -> int:
+        best, hi = 0, len(chain)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.storage.contains(marker_key(chain[mid - 1])):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def _load(self, digest: bytes, blocks: int, tokens: np.ndarray) -> SsdMatch | None:
+        mkey = marker_key(digest)
+        ekey_raw = self.storage.get(mkey)
+        data = self.storage.get(ekey_raw.decode()) if ekey_raw else None
+        if data is None:  # stale marker: its entry was evicted
+            self.storage.delete(mkey)
+            return None
+        try:
+            entry = codec.decode(data, self.fingerprint)
+        except codec.CorruptEntry as e:
+            self.counters.corrupt += 1
+            log.warning("prefix cache: deleting corrupt SSD entry %s: %s", ekey_raw, e)
+            self.storage.delete(ekey_raw.decode())
+            return None
+        common = common_prefix(entry.tokens, tokens)
+        if common < blocks * self.block_size:  # collision or stale marker: never serve
+            self.storage.delete(mkey)
+            return None
+        snap = codec.from_host(entry)
+        usable = usable_length(snap, common, len(tokens))
+        return SsdMatch(snap, usable) if usable > 0 else None
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def clear(self) -> None:
+        self.flush()
+        self.storage.clear()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+        self.storage.close()
+
+    # ---- writer thread ----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.writes_enabled:
+                    self._write(item)
+            finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending_bytes -= item.entry.nbytes
+                self._queue.task_done()
+
+    def _write(self, item: _Write) -> None:
+        try:
+            if not self.storage.contains(item.key):
+                self.storage.set(item.key, codec.encode(item.entry, self.fingerprint))
+                self.counters.writes += 1
+            value = item.key.encode()
+            for m in item.markers:
+                self.storage.set(m, value)
+        except Exception as e:
+            if is_disk_full(e):
+                self.writes_enabled = False
+                log.warning("prefix cache: SSD full, SSD writes disabled (reads continue): %s", e)
+            else:
+                log.warning("prefix cache: SSD write failed: %s", e)
+            self.counters.write_errors += 1
+
+    def stats(self) -> dict[str, object]:
+        """Counters plus what the directory holds: `keys` counts entries and their block markers."""
+        try:
+            keys, volume = self.storage.count(), self.storage.volume()
+        except Exception:
+            keys, volume = -1, -1
+        return self.counters.as_dict(enabled=True, writes_enabled=self.writes_enabled, keys=keys,
+                                     bytes=volume, queued=self._queue.qsize(),
+                                     queued_bytes=self._pending_bytes)

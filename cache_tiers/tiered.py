@@ -1,0 +1,126 @@
+"""The engine's `PrefixStore`: RAM first, then SSD; promote on SSD hits, demote RAM evictions.
+
+Rules, each for a reason:
+- The SSD is probed only when it could serve more than RAM did (it is asked only for block
+  boundaries past the RAM hit), so a full RAM hit costs no disk access.
+- A hit shorter than `min_restore_tokens` is reported as a miss: copying in a few tokens of
+  state saves less than it costs, and a short hit would still make the engine take the slower
+  cache-restore admission path.
+- Offers of finished requests, checkpoints and warm-ups are written through to the SSD at once
+  (they are what a restart or the next chat turn needs); "prompt" offers, usually superseded by
+  the request's "finished" offer moments later, reach the SSD only when evicted from RAM or at
+  `close`. Evicted entries always go down (the writer skips the bulky write when the entry is
+  already there and only refreshes its markers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from .ram import RamTier
+from .snapshot import Snapshot, restore, snapshot
+from .ssd import SsdTier
+from .stats import TierCounters
+from .store import Hit, OfferKind
+
+log = logging.getLogger(__name__)
+
+WRITE_THROUGH: frozenset[str] = frozenset({"finished", "checkpoint", "warmup"})
+
+
+class TieredStore:
+    def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int,
+                 min_restore_tokens: int, ssd_error: str | None = None) -> None:
+        self.ram = ram
+        self.ssd = ssd
+        self.block_size = block_size
+        self.min_restore_tokens = min_restore_tokens
+        self.ssd_error = ssd_error
+        self.totals = TierCounters()
+        self.too_short = 0
+        ram.on_evict = self._demote
+
+    def lookup(self, tokens: Sequence[int]) -> Hit | None:
+        toks = np.asarray(tokens, dtype=np.int64)
+        n = len(toks)
+        self.totals.query(n)
+        if n < 2:
+            return None
+        self.ram.counters.query(n)
+        match = self.ram.find(toks)
+        snap, num, tier = (match.snap, match.num_tokens, "ram") if match else (None, 0, "ram")
+        lo = num // self.block_size + 1
+        if self.ssd is not None and lo <= n // self.block_size:
+            self.ssd.counters.query(n)
+            deep = self.ssd.find(toks, min_blocks=lo)
+            if deep is not None and deep.num_tokens > num:
+                snap, num, tier = deep.snap, deep.num_tokens, "ssd"
+                self._promote(deep.snap)
+        if snap is None or num < max(1, self.min_restore_tokens):
+            self.too_short += snap is not None
+            return None
+        (self.ram if tier == "ram" else self.ssd).counters.hit(num)  # type: ignore[union-attr]
+        self.totals.hit(num)
+        return Hit(cache=restore(snap, num), num_tokens=num, tier=tier)
+
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
+        try:
+            snap = snapshot(tokens, cache)
+        except (TypeError, ValueError) as e:
+            self.totals.rejected += 1
+            log.debug("prefix cache: not storing offer: %s", e)
+            return
+        queued = False
+        if self.ssd is not None and kind in WRITE_THROUGH:
+            queued = self.ssd.offer(snap)
+        result = self.ram.insert(snap, persisted=queued)
+        if result == "too_large" and self.ssd is not None and not queued:
+            self._demote(snap, False)
+
+    def _promote(self, snap: Snapshot) -> None:
+        if self.ram.insert(snap, persisted=False) == "kept":
+            self.ram.counters.promotions += 1
+
+    def _demote(self, snap: Snapshot, persisted: bool) -> None:
+        if self.ssd is not None and self.ssd.offer(snap):
+            self.ssd.counters.demotions += 1
+
+    def clear(self, tier: Literal["ram", "ssd", "all"] = "all") -> None:
+        """Drop cached state (admin endpoint). Clearing RAM does not demote what it drops."""
+        if tier in ("ram", "all"):
+            self.ram.clear()
+        if tier in ("ssd", "all") and self.ssd is not None:
+            self.ssd.clear()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "lookups": self.totals.queries,
+            "lookup_tokens": self.totals.query_tokens,
+            "hits": self.totals.hits,
+            "hit_tokens": self.totals.hit_tokens,
+            "rejected_offers": self.totals.rejected,
+            "hits_below_min_restore": self.too_short,
+            "ram": self.ram.counters.as_dict(entries=len(self.ram), bytes=self.ram.nbytes,
+                                             budget_bytes=self.ram.budget),
+        }
+        if self.ssd is not None:
+            out["ssd"] = self.ssd.stats()
+        else:
+            out["ssd"] = {"enabled": False, "error": self.ssd_error}
+        return out
+
+    def flush(self) -> None:
+        """Wait until queued SSD writes are done (tests, admin)."""
+        if self.ssd is not None:
+            self.ssd.flush()
+
+    def close(self) -> None:
+        """Write what only RAM holds to the SSD, flush, and stop the writer."""
+        if self.ssd is None:
+            return
+        for snap in self.ram.unpersisted():
+            self.ssd.offer(snap, block=True)
+        self.ssd.close()
