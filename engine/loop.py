@@ -176,14 +176,16 @@ class AsyncEngine:
         self._ready.set_result(None)
         last_stats = 0.0
         while True:
-            if not self._handle_commands(engine, block=not engine.has_work()):
+            handled = self._handle_commands(engine, block=not engine.has_work())
+            if handled is None:
                 break
-            busy = engine.has_work()
-            if busy:
-                self._deliver(engine.step())
-            if time.monotonic() - last_stats > STATS_EVERY_S or (busy and not engine.has_work()):
+            events = engine.step() if engine.has_work() else []
+            # Publish before delivering final events, so a caller who saw its request end also
+            # sees the counters that include it.
+            if handled or time.monotonic() - last_stats > STATS_EVERY_S or any(e.finished for e in events):
                 self._publish_stats(engine)
                 last_stats = time.monotonic()
+            self._deliver(events)
         for request_id in list(engine.seqs):
             self._deliver(engine.abort_request(request_id, FinishReason.ABORT, "the server is shutting down"))
         engine.close()
@@ -208,20 +210,23 @@ class AsyncEngine:
             while engine.has_work():
                 engine.step()
 
-    def _handle_commands(self, engine: Engine, block: bool) -> bool:
+    def _handle_commands(self, engine: Engine, block: bool) -> int | None:
+        """Handle queued commands; returns how many, or None when told to stop."""
         try:
             command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
-            return True
+            return 0
+        handled = 0
         while True:
             kind, arg = command
             if kind == "stop":
-                return False
+                return None
             self._handle(engine, kind, arg)
+            handled += 1
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return True
+                return handled
 
     def _handle(self, engine: Engine, kind: str, arg: Any) -> None:
         if kind == "add":

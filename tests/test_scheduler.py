@@ -1,0 +1,96 @@
+"""The admission policy, with no model at all."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.scheduler import BatchView, Scheduler
+from engine.types import OverloadedError, Request
+
+
+def req(n: int, rid: str, priority: int = 0, t: float = 0.0) -> Request:
+    return Request(tuple(range(1, n + 1)), request_id=rid, priority=priority, arrival_time=t)
+
+
+def ids(out) -> list[str]:
+    return [r.request_id for r in out.admit]
+
+
+def test_fcfs_order_and_running_cap():
+    s = Scheduler(EngineConfig(max_running=2, prefill_batch=2))
+    for i in range(4):
+        s.add_request(req(10, f"r{i}", t=i))
+    assert ids(s.schedule(BatchView())) == ["r0", "r1"]
+    assert ids(s.schedule(BatchView(running=2))) == []
+    assert ids(s.schedule(BatchView(running=1))) == ["r2"]
+
+
+def test_priority_policy_runs_lower_values_first():
+    s = Scheduler(EngineConfig(policy="priority", prefill_batch=1))
+    s.add_request(req(10, "late", priority=5, t=0))
+    s.add_request(req(10, "urgent", priority=-1, t=1))
+    s.add_request(req(10, "normal", priority=0, t=2))
+    order = [ids(s.schedule(BatchView()))[0] for _ in range(3)]
+    assert order == ["urgent", "normal", "late"]
+
+
+def test_fcfs_ignores_priority():
+    s = Scheduler(EngineConfig(prefill_batch=1))
+    s.add_request(req(10, "first", priority=9, t=0))
+    s.add_request(req(10, "second", priority=-9, t=1))
+    assert ids(s.schedule(BatchView())) == ["first"]
+
+
+def test_bounded_queue_rejects_with_overload():
+    s = Scheduler(EngineConfig(max_waiting=2))
+    s.add_request(req(5, "a"))
+    s.add_request(req(5, "b"))
+    with pytest.raises(OverloadedError) as err:
+        s.add_request(req(5, "c"))
+    assert "capacity" in str(err.value) and err.value.retry_after_s > 0
+
+
+def test_token_budget_admits_one_oversized_prompt_alone():
+    s = Scheduler(EngineConfig(max_batch_tokens=100, prefill_chunk=1000))
+    s.add_request(req(150, "big", t=0))
+    s.add_request(req(60, "small", t=1))
+    assert ids(s.schedule(BatchView())) == ["big"]
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=150, prefill_min_left=150, prefill_max_left=150)
+    assert ids(s.schedule(view)) == []
+    assert ids(s.schedule(BatchView(running=1))) == ["small"]
+
+
+def test_length_grouping_keeps_short_prompt_out_of_padded_prefill():
+    s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000))
+    s.add_request(req(300, "long-ish", t=0))
+    s.add_request(req(20, "short", t=1))
+    assert ids(s.schedule(BatchView())) == ["long-ish"]
+    # 300 tokens left (> one chunk): the short one would be padded to 256 and waits instead.
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=300, prefill_min_left=300, prefill_max_left=300)
+    assert ids(s.schedule(view)) == []
+
+
+def test_short_prompt_joins_a_very_long_prefill():
+    # Waiting for 4,000 tokens of prefill would cost far more than one padded chunk.
+    s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000))
+    s.add_request(req(20, "short"))
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=4000, prefill_min_left=4000,
+                     prefill_max_left=4000)
+    assert ids(s.schedule(view)) == ["short"]
+
+
+def test_finished_waiting_request_is_never_admitted():
+    s = Scheduler(EngineConfig())
+    s.add_request(req(5, "gone", t=0))
+    s.add_request(req(5, "kept", t=1))
+    assert [r.request_id for r in s.finish_requests({"gone"})] == ["gone"]
+    assert len(s) == 1
+    assert ids(s.schedule(BatchView())) == ["kept"]
+
+
+def test_duplicate_id_refused():
+    s = Scheduler(EngineConfig())
+    s.add_request(req(5, "x"))
+    with pytest.raises(ValueError):
+        s.add_request(req(5, "x"))
