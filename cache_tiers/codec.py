@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import safetensors.numpy as stn
 
-from .keys import FORMAT_VERSION
+from . import keys
 from .snapshot import SUPPORTED, LayerSnapshot, Snapshot
 
 _META = "pomona"
@@ -69,7 +69,7 @@ def to_host(snap: Snapshot) -> HostEntry:
             else:
                 slots.append(["s", s])
         layers.append({"cls": layer.cls, "slots": slots})
-    meta = {"version": FORMAT_VERSION, "trimmable": snap.trimmable, "layers": layers, "bf16": bf16}
+    meta = {"version": keys.FORMAT_VERSION, "trimmable": snap.trimmable, "layers": layers, "bf16": bf16}
     return HostEntry(tensors, meta)
 
 
@@ -93,7 +93,7 @@ def decode(data: bytes, fingerprint: str) -> HostEntry:
     """Parse and validate stored bytes; raise CorruptEntry for anything not exactly right."""
     try:
         meta = _header_meta(data)
-        if meta.get("version") != FORMAT_VERSION or meta.get("fingerprint") != fingerprint:
+        if meta.get("version") != keys.FORMAT_VERSION or meta.get("fingerprint") != fingerprint:
             raise CorruptEntry("entry of another format or model")
         tensors = stn.load(data)
         _validate(tensors, meta)

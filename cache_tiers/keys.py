@@ -25,8 +25,9 @@ FORMAT_VERSION = 1
 _DIGEST = 16
 
 
-def chain_seed(fingerprint: str, version: int = FORMAT_VERSION) -> bytes:
+def chain_seed(fingerprint: str, version: int | None = None) -> bytes:
     """First link of every chain: binds the keys to one model and one on-disk format."""
+    version = FORMAT_VERSION if version is None else version
     return hashlib.blake2b(f"pomona-kv|{version}|{fingerprint}".encode(), digest_size=_DIGEST).digest()
 
 

@@ -31,7 +31,7 @@ from . import codec
 from .keys import block_chain, chain_seed, entry_key, marker_key
 from .snapshot import Snapshot, common_prefix, truncate, usable_length
 from .stats import TierCounters
-from .storage import Storage, is_disk_full
+from .storage import Storage, UnsafeRow, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +120,17 @@ class SsdTier:
     def _load(self, digest: bytes, blocks: int, tokens: np.ndarray) -> SsdMatch | None:
         mkey = marker_key(digest)
         ekey_raw = self.storage.get(mkey)
-        data = self.storage.get(ekey_raw.decode()) if ekey_raw else None
-        if data is None:  # stale marker: its entry was evicted
-            self.storage.delete(mkey)
-            return None
+        ekey = ekey_raw.decode("ascii", "replace") if ekey_raw else None
         try:
+            data = self.storage.get(ekey) if ekey else None
+            if data is None:  # stale marker: its entry was evicted
+                self.storage.delete(mkey)
+                return None
             entry = codec.decode(data, self.fingerprint)
-        except codec.CorruptEntry as e:
+        except (codec.CorruptEntry, UnsafeRow) as e:
             self.counters.corrupt += 1
-            log.warning("prefix cache: deleting corrupt SSD entry %s: %s", ekey_raw, e)
-            self.storage.delete(ekey_raw.decode())
+            log.warning("prefix cache: deleting corrupt SSD entry %s: %s", ekey, e)
+            self.storage.delete(ekey)  # type: ignore[arg-type]
             return None
         common = common_prefix(entry.tokens, tokens)
         if common < blocks * self.block_size:  # collision or stale marker: never serve

@@ -28,6 +28,10 @@ class Storage(Protocol):
     def close(self) -> None: ...
 
 
+class UnsafeRow(ValueError):
+    """A row diskcache would have to unpickle (or decode as text): never read, treated as corrupt."""
+
+
 class RawBytesDisk(diskcache.Disk):
     """A diskcache Disk that only ever stores and returns raw bytes (never pickle)."""
 
@@ -38,12 +42,12 @@ class RawBytesDisk(diskcache.Disk):
 
     def fetch(self, mode, filename, value, read):  # type: ignore[override]
         if mode not in (MODE_RAW, MODE_BINARY):
-            raise ValueError(f"refusing to decode a row of mode {mode}")
+            raise UnsafeRow(f"refusing to decode a row of mode {mode}")
         return super().fetch(mode, filename, value, read)
 
     def get(self, key, raw):  # type: ignore[override]
         if not raw:
-            raise ValueError("refusing to unpickle a key")
+            raise UnsafeRow("refusing to unpickle a key")
         return super().get(key, raw)
 
 
@@ -64,12 +68,13 @@ class DiskcacheStorage:
             eviction_policy="least-recently-used",
             disk=RawBytesDisk,
             statistics=False,
+            timeout=2.0,  # a lookup must not hang on a locked database; errors count as misses
         )
 
     def get(self, key: str) -> bytes | None:
-        value = self._cache.get(key, default=None, retry=True)
+        value = self._cache.get(key, default=None)
         if value is not None and type(value) is not bytes:
-            raise ValueError("non-bytes value")
+            raise UnsafeRow("non-bytes value")
         return value
 
     def set(self, key: str, value: bytes) -> None:

@@ -1,0 +1,125 @@
+"""RAM tier and lookup rules: budget, LRU, longest prefix, trim-to-serve, copies."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from test_cache_support import entry_bytes, kv_cache, rotating_cache, store, toks
+
+
+def test_bytes_counted_without_buffer_tail():
+    s = store()
+    cache = kv_cache(300)  # buffer holds 512 rows
+    assert cache[0].keys.shape[2] == 512
+    s.offer(toks(300), cache, "finished")
+    assert s.stats()["ram"]["bytes"] == entry_bytes(300)
+
+
+def test_budget_enforced_lru_order():
+    s = store(ram_bytes=int(entry_bytes(100) * 2.5))
+    a, b, c = toks(100, 0), toks(100, 1000), toks(100, 2000)
+    s.offer(a, kv_cache(100), "prompt")
+    s.offer(b, kv_cache(100), "prompt")
+    assert s.lookup(a + [7]) is not None  # a is now more recent than b
+    s.offer(c, kv_cache(100), "prompt")
+    st = s.stats()["ram"]
+    assert st["entries"] == 2 and st["evictions"] == 1 and st["bytes"] <= s.ram.budget
+    assert s.lookup(b + [7]) is None
+    assert s.lookup(a + [7]).num_tokens == 100 and s.lookup(c + [7]).num_tokens == 100
+
+
+def test_entry_larger_than_budget_not_kept():
+    s = store(ram_bytes=entry_bytes(50))
+    s.offer(toks(100), kv_cache(100), "prompt")
+    assert s.stats()["ram"]["entries"] == 0 and s.stats()["ram"]["rejected"] == 1
+
+
+def test_longest_prefix_wins():
+    s = store()
+    base = toks(200)
+    s.offer(base[:50] + [9999] * 10, kv_cache(60, seed=1), "prompt")
+    s.offer(base[:120] + [8888] * 10, kv_cache(130, seed=2), "prompt")
+    hit = s.lookup(base)
+    assert hit is not None and hit.num_tokens == 120 and hit.tier == "ram"
+    assert all(c.offset == 120 and c.keys.shape[2] == 120 for c in hit.cache)
+
+
+def test_longer_entry_trimmed_to_serve_shorter_prompt():
+    s = store()
+    original = kv_cache(100)
+    s.offer(toks(100), original, "finished")
+    hit = s.lookup(toks(40))
+    assert hit.num_tokens == 39
+    assert mx.array_equal(hit.cache[0].keys, original[0].keys[..., :39, :])
+
+
+def test_exact_hit_leaves_one_token_to_feed():
+    s = store()
+    s.offer(toks(100), kv_cache(100), "finished")
+    hit = s.lookup(toks(100))
+    assert hit.num_tokens == 99 and all(c.offset == 99 for c in hit.cache)
+
+
+def test_min_restore_tokens_counts_as_miss():
+    s = store(min_restore_tokens=32)
+    s.offer(toks(20), kv_cache(20), "prompt")
+    assert s.lookup(toks(30)) is None
+    assert s.stats()["hits_below_min_restore"] == 1 and s.stats()["hits"] == 0
+
+
+def test_rotating_cache_exact_boundary_only():
+    s = store()
+    cache = rotating_cache(40, max_size=32)  # rotated: not trimmable
+    assert not cache[0].is_trimmable()
+    s.offer(toks(40), cache, "prompt")
+    assert s.lookup(toks(40)) is None  # would need a trim
+    assert s.lookup(toks(30) + [777] * 20) is None  # diverges inside the entry
+    hit = s.lookup(toks(45))
+    assert hit.num_tokens == 40 and type(hit.cache[0]).__name__ == "RotatingKVCache"
+    assert hit.cache[0].offset == 40
+
+
+def test_trimmable_rotating_cache_is_trimmed():
+    s = store()
+    s.offer(toks(20), rotating_cache(20, max_size=32), "prompt")
+    hit = s.lookup(toks(10))
+    assert hit.num_tokens == 9 and hit.cache[0].offset == 9
+
+
+def test_longer_trimmable_offer_supersedes_prefix_entries():
+    s = store()
+    s.offer(toks(50), kv_cache(50), "prompt")
+    s.offer(toks(80), kv_cache(80), "finished")
+    st = s.stats()["ram"]
+    assert st["entries"] == 1 and st["superseded"] == 1 and st["bytes"] == entry_bytes(80)
+    s.offer(toks(60), kv_cache(60), "prompt")  # covered by the 80-token entry
+    assert s.stats()["ram"]["entries"] == 1
+
+
+def test_handed_out_cache_is_a_copy():
+    s = store()
+    s.offer(toks(100), kv_cache(100), "finished")
+    before = np.array(s.lookup(toks(101)).cache[0].keys)
+    hit = s.lookup(toks(101))
+    hit.cache[0].keys[..., :5, :] = 0.0  # slice assignment on the handed-out arrays
+    for c in hit.cache:
+        c.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
+    trimmed = s.lookup(toks(50))  # a trimmed hit, then write in place into its tail
+    trimmed.cache[0].update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))
+    again = s.lookup(toks(101))
+    assert np.array_equal(np.array(again.cache[0].keys), before)
+    assert again.cache[0].keys is not hit.cache[0].keys
+
+
+def test_offer_wrong_length_or_unsupported_rejected():
+    s = store()
+    s.offer(toks(10), kv_cache(12), "prompt")
+    s.offer(toks(10), [object()], "prompt")
+    assert s.stats()["rejected_offers"] == 2 and s.stats()["ram"]["entries"] == 0
+
+
+def test_clear_ram():
+    s = store()
+    s.offer(toks(100), kv_cache(100), "finished")
+    s.clear("ram")
+    assert s.lookup(toks(101)) is None and s.stats()["ram"]["bytes"] == 0
