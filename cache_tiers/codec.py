@@ -76,7 +76,10 @@ def to_host(snap: Snapshot) -> HostEntry:
 def encode(entry: HostEntry, fingerprint: str) -> bytes:
     """Writer thread: safetensors bytes with the layout and fingerprint in the header."""
     meta = dict(entry.meta, fingerprint=fingerprint)
-    return stn.save(entry.tensors, metadata={_META: json.dumps(meta)})
+    # safetensors reads raw data pointers: views cut to a block boundary must be made dense here
+    # (a numpy copy on the writer thread) rather than on the engine's thread.
+    dense = {k: np.ascontiguousarray(v) for k, v in entry.tensors.items()}
+    return stn.save(dense, metadata={_META: json.dumps(meta)})
 
 
 def _header_meta(data: bytes) -> dict[str, Any]:
