@@ -56,7 +56,7 @@ def default_store(config: EngineConfig, loaded: Loaded) -> PrefixStore:
 
     if not config.cache.enabled:
         return NullStore()
-    from cache_tiers import build_store
+    from cache_tiers.factory import build_store
 
     return build_store(config.cache, loaded.fingerprint)
 

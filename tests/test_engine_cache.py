@@ -1,0 +1,87 @@
+"""The engine with the real tiered prefix store: hits are exact, reported, and survive restarts."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig
+from engine.loop import default_store
+from engine_helpers import collect, make_engine, request, run
+
+LONG = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+        "Berlin is the capital of Germany. Madrid is the capital of Spain. ") * 4
+
+
+def cache_config(tmp_path, **kw) -> CacheConfig:
+    kw.setdefault("ram_bytes", 256 * 2**20)
+    return CacheConfig(ssd_dir=str(tmp_path / "ssd"), block_size=16, min_restore_tokens=8, **kw)
+
+
+@pytest.fixture()
+def cold_texts(tiny_model_dir):
+    eng = make_engine(tiny_model_dir)
+    try:
+        yield {q: run(collect(eng, request(eng, LONG + q, max_tokens=20)))[0] for q in ("Who?", "Where?")}
+    finally:
+        run(eng.shutdown())
+
+
+def test_hit_gives_same_greedy_output_and_reports_cached_tokens(tiny_model_dir, tmp_path, cold_texts):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=cache_config(tmp_path))
+    try:
+        first_text, first = run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+        assert first_text == cold_texts["Who?"]
+        assert first[-1].usage.cached_tokens == 0
+        second_text, second = run(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        assert second_text == cold_texts["Where?"]
+        usage = second[-1].usage
+        prefix_len = len(eng.tokenizer.encode(LONG))
+        assert usage.cache_tier == "ram"
+        assert prefix_len - 4 <= usage.cached_tokens < usage.prompt_tokens
+        stats = eng.stats()
+        assert stats["cached_tokens_total"] == usage.cached_tokens
+    finally:
+        run(eng.shutdown())
+
+
+def test_exact_repeat_reuses_all_but_one_token(tiny_model_dir, tmp_path, cold_texts):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=cache_config(tmp_path))
+    try:
+        run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+        text, events = run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+        assert text == cold_texts["Who?"]
+        assert events[-1].usage.cached_tokens == events[-1].usage.prompt_tokens - 1
+    finally:
+        run(eng.shutdown())
+
+
+def test_next_chat_turn_reuses_prompt_and_output(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=cache_config(tmp_path))
+    try:
+        prompt = eng.tokenizer.encode(LONG)
+        first = run(collect(eng, request(eng, LONG, max_tokens=12, logprobs=0)))[1]
+        output = [e.token_id for e in first]
+        follow_up = tuple(prompt + output + eng.tokenizer.encode(" And then?"))
+        from engine.types import Request, SamplingParams
+
+        events = run(collect(eng, Request(follow_up, SamplingParams(max_tokens=4, temperature=0.0))))[1]
+        # everything up to the end of the first answer came from the cache
+        assert events[-1].usage.cached_tokens >= len(prompt) + len(output) - 1
+    finally:
+        run(eng.shutdown())
+
+
+def test_ssd_tier_serves_after_restart(tiny_model_dir, tmp_path, cold_texts):
+    config = cache_config(tmp_path)
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+    run(eng.shutdown())  # flushes the SSD write-behind queue
+
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    try:
+        text, events = run(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        assert text == cold_texts["Where?"]
+        assert events[-1].usage.cache_tier == "ssd"
+        assert events[-1].usage.cached_tokens >= 16
+    finally:
+        run(eng.shutdown())
