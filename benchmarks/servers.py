@@ -34,6 +34,10 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
     cwd: str = str(ROOT)
+    skip_reason: str | None = None  # set when the server cannot run here (not installed, no config)
+    # Processes whose command line contains this string are ours (e.g. a Ray session directory made
+    # for this run): daemons that left the process group are found by it and stopped by pid.
+    cleanup_marker: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -66,6 +70,8 @@ def vllm_mlx_server(model_dir: Path, port: int, eos_bias: dict[str, Any], home: 
 
 def available(spec: ServerSpec) -> str | None:
     """None when the server can be started, else why not (so a run skips it and says so)."""
+    if spec.skip_reason:
+        return spec.skip_reason
     exe = Path(spec.argv[0])
     if exe.is_absolute() and not exe.exists():
         return f"{exe} not found (see docs/benchmarks.md for how to install it)"
@@ -103,3 +109,34 @@ def launched(spec: ServerSpec, log_dir: Path) -> Iterator[float]:
             raise RuntimeError(f"{spec.name} failed: {exc}\n--- log tail ({log_path}) ---\n{tail}") from exc
         finally:
             _stop(proc)
+            if spec.cleanup_marker:
+                _stop_marked(spec.cleanup_marker)
+
+
+def _marked_pids(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _stop_marked(marker: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, each process of this run that outlived its process group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _marked_pids(marker)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = _marked_pids(marker)
+        if not pids:
+            return

@@ -1,0 +1,57 @@
+"""How the side-by-side run starts Pomona: a private one-node Ray cluster plus `serve run` on a
+config generated from the repository's serve_config.yaml with the benchmark's model directory.
+
+The cluster gets its own temp dir and ports, so it never joins (or stops) a cluster a colleague's
+tests started on the same machine; its daemons are found by that temp dir and stopped by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from benchmarks.servers import ROOT, ServerSpec, blas_env
+
+SERVE_CONFIG = ROOT / "serve_config.yaml"
+APPLE_SILICON_RESOURCE = "apple_silicon"  # what deployments.settings asks the LLM replica for
+
+
+def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SERVE_CONFIG) -> Path:
+    """serve_config.yaml with http_options on `port` and every application's model = `model_dir`."""
+    import yaml
+
+    config: dict[str, Any] = yaml.safe_load(base.read_text()) or {}
+    http = dict(config.get("http_options") or {})
+    http.update(host="127.0.0.1", port=port)
+    config["http_options"] = http
+    for app in config.get("applications") or []:
+        args = dict(app.get("args") or {})
+        args["model"] = str(model_dir)
+        app["args"] = args
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "pomona_serve_config.yaml"
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[str, Any]) -> ServerSpec:
+    if not SERVE_CONFIG.exists():
+        return ServerSpec("pomona", ("true",), port, str(model_dir), extra_body,
+                          skip_reason=f"{SERVE_CONFIG} does not exist yet (deployments not landed)")
+    config = generated_config(model_dir, port, run_dir)
+    # Short path: Ray's socket paths must stay under the 107-byte limit of AF_UNIX addresses.
+    ray_tmp = f"/tmp/pomona-bench-ray-{port}"
+    gcs_port = port + 1000
+    venv_bin = ROOT / ".venv" / "bin"
+    ncpu = os.cpu_count() or 2
+    ray_start = [str(venv_bin / "ray"), "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_tmp}",
+                 f"--num-cpus={ncpu}", f"--resources={json.dumps({APPLE_SILICON_RESOURCE: 1})}",
+                 "--include-dashboard=false", "--disable-usage-stats"]
+    serve_run = [str(venv_bin / "serve"), "run", f"--address=127.0.0.1:{gcs_port}", str(config)]
+    script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
+    return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,
+                      env={**blas_env(), "RAY_TMPDIR": ray_tmp}, ready_timeout_s=900.0,
+                      cleanup_marker=ray_tmp)

@@ -1,0 +1,146 @@
+"""Pomona, vllm-mlx and mlx_lm.server on one model directory, the same workloads, one table.
+
+    python -m benchmarks.side_by_side --quick            # ~20-30 min on a 2-core Linux box
+    python -m benchmarks.side_by_side --servers mlx_lm.server,vllm-mlx --no-docs
+
+Each server is started in turn on its own port, made ready, given a warm-up request, run through
+the suite (concurrency sweep, prefix repetition, multi-turn, request-rate mode in the full suite),
+and stopped. A bare `BatchGenerator` loop runs the same random prompts without HTTP, so the cost of
+the serving stack is a ratio. Results: JSON + plots under --out, and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.client import EndpointConfig
+from benchmarks.goals import all_goals
+from benchmarks.models import benchmark_model_dir
+from benchmarks.pomona_server import pomona_server
+from benchmarks.report import plot_sweep
+from benchmarks.serve_bench import eos_extra_body, eos_ids_of, run_suite, write_json
+from benchmarks.servers import (ROOT, ServerSpec, available, blas_env, launched, mlx_lm_server,
+                                vllm_mlx_server)
+from benchmarks.workloads import Suite, TextMaker, full_suite, quick_suite
+
+ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
+
+
+def make_spec(name: str, model_dir: Path, port: int, run_dir: Path) -> ServerSpec:
+    bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
+    if name == "pomona":
+        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []))
+    if name == "vllm-mlx":
+        return vllm_mlx_server(model_dir, port, bias, run_dir / "vllm-mlx-home")
+    if name == "mlx_lm.server":
+        return mlx_lm_server(model_dir, port, bias)
+    raise ValueError(f"unknown server {name!r}; known: {ALL_SERVERS}")
+
+
+def served_model_name(spec: ServerSpec) -> str:
+    """The id the server lists in /v1/models (servers differ in what they accept), else the spec's."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{spec.base_url}/models", timeout=10, trust_env=False).json()
+        return data["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - mlx_lm.server's /v1/models fails without a HF cache
+        return spec.model_name
+
+
+def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir: Path) -> dict[str, Any]:
+    """The bare loop in its own process, so it runs with the same LD_PRELOAD as the servers."""
+    cmd = [sys.executable, "-m", "benchmarks.bare_loop", str(model_dir),
+           "--concurrency", ",".join(map(str, concurrencies))] + (["--quick"] if quick else [])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "bare_loop.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                              env={**os.environ, **blas_env()}, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
+               maker: TextMaker) -> dict[str, Any]:
+    spec = make_spec(name, model_dir, port, out)
+    why = available(spec)
+    if why:
+        print(f"[{name}] skipped: {why}", flush=True)
+        return {"label": name, "skipped": why}
+    print(f"[{name}] starting: {' '.join(spec.argv)}", flush=True)
+    try:
+        with launched(spec, out / "logs") as ready_s:
+            print(f"[{name}] ready after {ready_s:.1f} s", flush=True)
+            cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
+            result = run_suite(cfg, suite, maker, name)
+            result.update(ready_s=ready_s, command=" ".join(spec.argv))
+            return result
+    except Exception as exc:  # noqa: BLE001 - one server failing must not lose the others' numbers
+        print(f"[{name}] FAILED: {exc}", flush=True)
+        return {"label": name, "failed": str(exc)[-3000:]}
+
+
+def _bare_as_server(bare: dict[str, Any]) -> dict[str, Any]:
+    return {"sweep": {c: {"output_throughput": b["output_throughput"], "ttft_ms": {"p50": b["ttft_ms_p50"]}}
+                      for c, b in bare.items()}}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="mlx-lm model dir; default: the default model, float32")
+    p.add_argument("--quick", action="store_true", help="small workloads sized for a 2-core box")
+    p.add_argument("--servers", default=",".join(ALL_SERVERS))
+    p.add_argument("--concurrency", default=None, help="comma list overriding the suite's sweep")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare BatchGenerator loop")
+    p.add_argument("--base-port", type=int, default=18100)
+    p.add_argument("--out", default=f"benchmarks/results/side-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--docs", default="docs/benchmarks.md", help="page to regenerate ('' to skip)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    suite = quick_suite() if args.quick else full_suite()
+    if args.concurrency:
+        suite = replace(suite, concurrencies=tuple(int(x) for x in args.concurrency.split(",")))
+    model_dir = benchmark_model_dir(args.model)
+    out = Path(args.out).resolve()
+    maker = TextMaker(model_dir)
+    results: dict[str, Any] = {}
+    bare: dict[str, Any] = {}
+    if not args.no_bare:
+        bare = run_bare(model_dir, args.quick, suite.concurrencies, out / "logs")
+        print(f"[bare loop] {json.dumps({c: round(b['output_throughput'], 1) for c, b in bare.items()})} tok/s")
+    for i, name in enumerate(args.servers.split(",")):
+        results[name] = run_server(name, model_dir, args.base_port + i, out, suite, maker)
+        write_json(out / "results.json", {"suite": asdict(suite), "model_dir": str(model_dir),
+                                          "servers": results, "bare_loop": bare})
+    plots = plot_sweep({**{k: v for k, v in results.items() if "sweep" in v},
+                        **({"bare loop (no HTTP)": _bare_as_server(bare)} if bare else {})}, out)
+    goals = all_goals(results, bare)
+    for g in goals:
+        ratio = "n/a" if g.ratio is None else f"{g.ratio:.2f}"
+        print(f"{g.name}: {ratio} (target {g.target}; {g.detail})")
+    if args.docs:
+        from benchmarks import docs
+
+        command = "python -m benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
+        notes = [f"{k}: {v.get('skipped') or v.get('failed')}" for k, v in results.items()
+                 if "skipped" in v or "failed" in v]
+        page = docs.write(ROOT / args.docs, results=results, bare=bare, goals=goals, plots=plots,
+                          commands=[command.strip()] + [v["command"] for v in results.values() if "command" in v],
+                          model_dir=model_dir, suite=asdict(suite), notes=notes)
+        print(f"docs: {page}")
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
