@@ -23,6 +23,8 @@ from . import keys
 from .snapshot import SUPPORTED, LayerSnapshot, Snapshot
 
 _META = "pomona"
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16", "uint32": "U32", "int64": "I64",
+              "int32": "I32", "uint8": "U8", "int8": "I8", "float64": "F64"}
 
 
 class CorruptEntry(ValueError):
@@ -75,11 +77,22 @@ def to_host(snap: Snapshot) -> HostEntry:
 
 def encode(entry: HostEntry, fingerprint: str) -> bytes:
     """Writer thread: safetensors bytes with the layout and fingerprint in the header."""
+    # Written by hand (the format is a JSON header plus raw little-endian data) because
+    # `safetensors.numpy.save` serializes and then copies once more, doubling the writer's
+    # memory traffic. Views cut to a block boundary are made dense here, on the writer thread.
     meta = dict(entry.meta, fingerprint=fingerprint)
-    # safetensors reads raw data pointers: views cut to a block boundary must be made dense here
-    # (a numpy copy on the writer thread) rather than on the engine's thread.
-    dense = {k: np.ascontiguousarray(v) for k, v in entry.tensors.items()}
-    return stn.save(dense, metadata={_META: json.dumps(meta)})
+    header: dict[str, Any] = {"__metadata__": {_META: json.dumps(meta)}}
+    chunks: list[memoryview] = []
+    offset = 0
+    for name, t in entry.tensors.items():
+        dense = np.ascontiguousarray(t, dtype=t.dtype.newbyteorder("<"))
+        header[name] = {"dtype": _ST_DTYPES[dense.dtype.name], "shape": list(dense.shape),
+                        "data_offsets": [offset, offset + dense.nbytes]}
+        offset += dense.nbytes
+        chunks.append(memoryview(dense).cast("B"))
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return b"".join([struct.pack("<Q", len(head)), head, *chunks])
 
 
 def _header_meta(data: bytes) -> dict[str, Any]:

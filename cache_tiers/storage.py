@@ -10,6 +10,7 @@ as files; both come back as the exact bytes written.
 from __future__ import annotations
 
 import errno
+import io
 import sqlite3
 from typing import Protocol
 
@@ -28,6 +29,9 @@ class Storage(Protocol):
     def close(self) -> None: ...
 
 
+_MIN_FILE_SIZE = 2**15  # diskcache's default disk_min_file_size
+
+
 class UnsafeRow(ValueError):
     """A row diskcache would have to unpickle (or decode as text): never read, treated as corrupt."""
 
@@ -36,7 +40,7 @@ class RawBytesDisk(diskcache.Disk):
     """A diskcache Disk that only ever stores and returns raw bytes (never pickle)."""
 
     def store(self, value, read, key=diskcache.core.UNKNOWN):  # type: ignore[override]
-        if type(value) is not bytes:
+        if type(value) is not bytes and not (read and isinstance(value, io.BytesIO)):
             raise TypeError("RawBytesDisk stores bytes only")
         return super().store(value, read, key=key)
 
@@ -78,7 +82,10 @@ class DiskcacheStorage:
         return value
 
     def set(self, key: str, value: bytes) -> None:
-        self._cache.set(key, value, retry=True)
+        if len(value) < _MIN_FILE_SIZE:  # markers: a SQLite row
+            self._cache.set(key, value, retry=True)
+        else:  # entries: a file, written in 4 MiB chunks (bytes would be written line by line)
+            self._cache.set(key, io.BytesIO(value), read=True, retry=True)
 
     def contains(self, key: str) -> bool:
         return key in self._cache
