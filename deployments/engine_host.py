@@ -1,0 +1,175 @@
+"""Hosts an `AsyncEngine` behind a plain-data interface (no Ray): what the LLM server deployment exposes.
+
+Everything crossing a process boundary is plain dicts and lists, so the ingress and the LLM server
+need not agree on class versions and a pickled event stays small.
+
+Wire format of `stream()`: first either a rejection `{"rejected": {"kind", "message", "retry_after_s"}}`
+(nothing was generated; the ingress answers with an HTTP status), or lists of events
+`{"text", "token", "lp", "finish", "usage", "error"}`; the last event of the last list has `finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+from engine.config import EngineConfig
+from engine.types import (ContextLengthError, EngineClosedError, OverloadedError, Request, SamplingParams,
+                          TokenEvent)
+
+log = logging.getLogger("pomona.llm_server")
+
+HEALTH_PROBE_TIMEOUT_S = 20.0  # longer than the slowest bounded step (one prefill chunk)
+
+
+def event_to_wire(event: TokenEvent) -> dict[str, Any]:
+    lp = event.logprob
+    return {
+        "text": event.text,
+        "token": event.token_id,
+        "lp": None if lp is None else {"id": lp.token_id, "lp": lp.logprob, "top": [list(t) for t in lp.top]},
+        "finish": None if event.finish_reason is None else event.finish_reason.value,
+        "usage": None if event.usage is None else {
+            "prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens,
+            "cached_tokens": event.usage.cached_tokens, "cache_tier": event.usage.cache_tier},
+        "error": event.error,
+    }
+
+
+def rejection(exc: Exception) -> dict[str, Any]:
+    """An exception raised before the first event -> a wire rejection the ingress maps to a status."""
+    if isinstance(exc, OverloadedError):
+        kind, retry = "overloaded", exc.retry_after_s
+    elif isinstance(exc, ContextLengthError):
+        kind, retry = "context_length", 0.0
+    elif isinstance(exc, EngineClosedError):
+        kind, retry = "closed", 1.0
+    else:
+        kind, retry = "invalid", 0.0
+    return {"rejected": {"kind": kind, "message": str(exc), "retry_after_s": retry}}
+
+
+def sampling_from_wire(params: Mapping[str, Any]) -> SamplingParams:
+    values = dict(params)
+    for name in ("stop", "stop_token_ids"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return SamplingParams(**values)
+
+
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return asdict(params)
+
+
+def openblas_loaded() -> bool | None:
+    """Whether OpenBLAS is mapped into this process (Linux only; None where it cannot be told)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return "libopenblas" in maps.read()
+    except OSError:
+        return None
+
+
+class EngineHost:
+    """The engine plus the conversions around it; one per LLM server replica."""
+
+    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
+        if engine_factory is None:
+            from engine.loop import AsyncEngine
+
+            engine_factory = AsyncEngine
+        self.config = config
+        self.engine = engine_factory(config)
+
+    async def start(self) -> None:
+        await self.engine.wait_ready()
+        blas = openblas_loaded()
+        if blas is False:
+            log.warning("OpenBLAS is not preloaded in this process: MLX on the Linux CPU runs ~15x slower. "
+                        "Install libopenblas0-pthread and keep blas_preload: auto in serve_config.yaml.")
+        log.info("engine ready: model=%s context=%d OMP_NUM_THREADS=%s openblas=%s", self.engine.model_name,
+                 self.engine.context_length, os.environ.get("OMP_NUM_THREADS"), blas)
+
+    def info(self) -> dict[str, Any]:
+        if not self.engine.ready:
+            raise RuntimeError("the engine is still loading")
+        return {"model": self.engine.model_name, "context_length": self.engine.context_length,
+                "max_tokens_limit": self.config.max_tokens_limit,
+                "default_max_tokens": self.config.default_max_tokens, "pid": os.getpid()}
+
+    async def stream(self, prompt_tokens: Sequence[int], params: Mapping[str, Any],
+                     request_id: str) -> AsyncIterator[Any]:
+        """Yield everything available whenever the consumer is ready; abort when the consumer leaves.
+
+        The engine's `stream` already coalesces: while this generator is suspended at a `yield`
+        (the transfer to the ingress is in progress), events pile up and go out as one batch.
+        """
+        try:
+            request = Request(prompt_tokens=tuple(prompt_tokens), params=sampling_from_wire(params),
+                              request_id=request_id)
+        except ValueError as exc:
+            yield rejection(exc)
+            return
+        batches = self.engine.stream(request)
+        try:
+            try:
+                first = await batches.__anext__()
+            except (OverloadedError, ContextLengthError, EngineClosedError, ValueError) as exc:
+                yield rejection(exc)
+                return
+            yield [event_to_wire(e) for e in first]
+            async for batch in batches:
+                yield [event_to_wire(e) for e in batch]
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away (Ray Serve cancels this generator): free the slot at the next step.
+            self.engine.abort(request_id)
+            raise
+        finally:
+            await _close_quietly(batches)
+
+    def routing_stats(self) -> dict[str, Any]:
+        """Published to request routers. `prefix_blocks` is the seam for a cache-affinity router."""
+        stats = self.engine.stats()
+        return {"waiting": int(stats.get("waiting", 0)), "running": int(stats.get("running", 0)),
+                "prefix_blocks": self.prefix_blocks()}
+
+    def prefix_blocks(self) -> list[str]:
+        """Hashes of cached prefix blocks; empty until the prefix store exposes them."""
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        stats["openblas"] = openblas_loaded()
+        return stats
+
+    async def check_health(self) -> None:
+        """Raise unless the engine is loaded and its MLX thread answers (a dead thread never does)."""
+        if not self.engine.ready:
+            raise RuntimeError("the engine is not ready")
+        await asyncio.wait_for(self.engine.call(lambda engine: None), HEALTH_PROBE_TIMEOUT_S)
+
+    async def shutdown(self, drain_s: float) -> None:
+        await self.engine.shutdown(drain_s=drain_s)
+
+
+async def _close_quietly(gen: Any) -> None:
+    try:
+        await gen.aclose()
+    except (RuntimeError, asyncio.CancelledError):  # already running/closed elsewhere
+        pass
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer alone (no weights), for the ingress to apply chat templates and count tokens."""
+    try:
+        from engine.models import load_tokenizer as load, resolve_model
+    except ImportError:  # engine.models not available: a local mlx-lm directory still works
+        from pathlib import Path
+
+        from mlx_lm.utils import load_tokenizer as load
+
+        return load(Path(os.path.expanduser(model)))
+    return load(resolve_model(model))

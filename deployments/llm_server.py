@@ -1,0 +1,62 @@
+"""The LLM server deployment: one engine per replica, pinned to Apple Silicon nodes by a custom resource.
+
+Nodes declare `apple_silicon` (see deployments/node.py); the replica asks for it in its actor
+options (set by the app builder from serve_config.yaml), so Ray never places an engine elsewhere.
+A custom resource rather than a node label: resources are Ray's stable scheduling API, show in
+`ray status`, and a count of 1 per Mac doubles as "one engine per machine" (each engine wants all of
+the unified memory). Label selectors are newer in Ray 2.60 and the affinity router planned on top
+only needs per-replica routing stats, which this class publishes either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deployments.engine_host import EngineHost
+from deployments.settings import AppSettings
+
+log = logging.getLogger("pomona.llm_server")
+
+
+@serve.deployment(
+    name="LLMServer",
+    max_ongoing_requests=1000,  # the engine's own bounded queue decides overload (429), not Serve's
+    health_check_period_s=10,
+    health_check_timeout_s=60,
+    graceful_shutdown_wait_loop_s=2,
+    graceful_shutdown_timeout_s=60,
+)
+class LLMServer:
+    async def __init__(self, settings: AppSettings) -> None:
+        # Load before the replica counts as started, so no request reaches a half-loaded engine.
+        self._settings = settings
+        self._host = EngineHost(settings.engine)
+        await self._host.start()
+
+    async def generate(self, prompt_tokens: list[int], params: dict[str, Any],
+                       request_id: str) -> AsyncIterator[Any]:
+        """Stream a rejection or event batches (see engine_host's wire format).
+
+        Ray Serve cancels this generator when the caller goes away; `EngineHost.stream` turns the
+        cancellation into an engine abort, effective at the next step.
+        """
+        async for item in self._host.stream(prompt_tokens, params, request_id):
+            yield item
+
+    def info(self) -> dict[str, Any]:
+        return self._host.info()
+
+    def stats(self) -> dict[str, Any]:
+        return self._host.stats()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self._host.routing_stats()
+
+    async def check_health(self) -> None:
+        await self._host.check_health()
+
+    async def __del__(self) -> None:
+        await self._host.shutdown(self._settings.drain_s)

@@ -1,0 +1,118 @@
+"""The application's settings: the `args:` block of serve_config.yaml, validated once (no Ray here).
+
+Replica resources live here rather than in the YAML `deployments:` block on purpose: Serve replaces a
+deployment's whole `ray_actor_options` with the YAML one, which would drop the BLAS preload that the
+app builder adds to the LLM server's runtime environment on Linux.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.config import EngineConfig
+
+from deployments.openai_types import Limits
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+APPLE_SILICON_RESOURCE = "apple_silicon"
+API_KEYS_ENV = "POMONA_API_KEYS"
+
+
+def _known(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    values = dict(values or {})
+    unknown = set(values) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {where} settings: {sorted(unknown)}; known: {sorted(f.name for f in fields(cls))}")
+    return values
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Resources of one deployment's replicas (Ray actor options), plus Serve's queue bounds."""
+
+    num_replicas: int = 1
+    num_cpus: float = 1.0
+    memory_bytes: int | None = None
+    resources: tuple[tuple[str, float], ...] = ()
+    max_ongoing_requests: int = 1000
+    max_replicas_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.num_cpus < 0 or self.max_ongoing_requests < 1:
+            raise ValueError("num_replicas and max_ongoing_requests must be >= 1, num_cpus >= 0")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None, where: str, **defaults: Any) -> "ReplicaSettings":
+        merged = {**defaults, **_known(cls, values or {}, where)}
+        if isinstance(merged.get("resources"), Mapping):
+            merged["resources"] = tuple(sorted((str(k), float(v)) for k, v in merged["resources"].items()))
+        return cls(**merged)
+
+    def actor_options(self, env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self.memory_bytes:
+            options["memory"] = self.memory_bytes
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        return options
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    model: str = "default"
+    served_model_name: str | None = None  # None: the model's directory name, or `model` itself
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    limits: Limits = Limits()
+    engine: EngineConfig = EngineConfig()
+    llm_server: ReplicaSettings = ReplicaSettings()
+    ingress: ReplicaSettings = ReplicaSettings()
+    blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
+    drain_s: float = 30.0
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] | None) -> "AppSettings":
+        values = _known(cls, args or {}, "app (args:)")
+        model = str(values.pop("model", "default"))
+        engine = dict(values.pop("engine", {}) or {})
+        engine.setdefault("model", model)
+        values["engine"] = EngineConfig.from_dict(engine)
+        values["limits"] = Limits.from_dict(values.get("limits"))
+        values["llm_server"] = ReplicaSettings.from_dict(
+            values.get("llm_server"), "llm_server", num_cpus=2.0, resources={APPLE_SILICON_RESOURCE: 1.0})
+        values["ingress"] = ReplicaSettings.from_dict(values.get("ingress"), "ingress", num_cpus=0.0)
+        keys = values.get("api_keys") or ()
+        if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+            raise ValueError("api_keys must be a list of non-empty strings")
+        values["api_keys"] = tuple(keys)
+        return cls(model=model, **values)
+
+    def served_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(os.path.expanduser(self.model))
+        return path.name if path.is_dir() else self.model
+
+    def all_api_keys(self, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+        """Keys from config, the POMONA_API_KEYS environment variable (comma-separated) and the key file."""
+        keys = list(self.api_keys)
+        keys += [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+        if self.api_keys_file:
+            text = Path(os.path.expanduser(self.api_keys_file)).read_text(encoding="utf-8")
+            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        return tuple(dict.fromkeys(keys))
+
+    def llm_env_vars(self, platform: str = sys.platform) -> dict[str, str]:
+        """Environment for the LLM server: the BLAS preload only where it exists (static YAML cannot say so)."""
+        if self.blas_preload is None:
+            return {}
+        path = OPENBLAS if self.blas_preload == "auto" else self.blas_preload
+        if self.blas_preload == "auto" and not platform.startswith("linux"):
+            return {}
+        return {"LD_PRELOAD": path} if os.path.exists(path) else {}
