@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from benchmarks.client import Conversation
 
@@ -32,27 +32,37 @@ class TextMaker:
     """Random text of a requested token length."""
 
     def __init__(self, tokenizer_path: str | Path | None = None) -> None:
-        self.tokenizer: Any = None
+        self._encode: Callable[[str], list[int]] | None = None
+        self._decode: Callable[[list[int]], str] | None = None
         if tokenizer_path is not None:
             path = Path(tokenizer_path)
             path = path / "tokenizer.json" if path.is_dir() else path
             if path.exists():
                 from tokenizers import Tokenizer
 
-                self.tokenizer = Tokenizer.from_file(str(path))
+                tok = Tokenizer.from_file(str(path))
+                self._encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+                self._decode = tok.decode
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> "TextMaker":
+        """From a loaded Hugging Face / mlx-lm tokenizer (what the engine itself uses)."""
+        maker = cls(None)
+        maker._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+        maker._decode = tokenizer.decode
+        return maker
 
     def count(self, text: str) -> int:
-        if self.tokenizer is None:
+        if self._encode is None:
             return len(text.split())
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(self._encode(text))
 
     def text(self, n_tokens: int, rng: random.Random) -> str:
         words = [rng.choice(_WORDS) for _ in range(n_tokens)]
-        if self.tokenizer is None:
+        if self._encode is None or self._decode is None:
             return " ".join(words)
         # Each word is at least one token, so n words are enough; cut at n tokens exactly.
-        enc = self.tokenizer.encode(" ".join(words), add_special_tokens=False)
-        return self.tokenizer.decode(enc.ids[:n_tokens])
+        return self._decode(self._encode(" ".join(words))[:n_tokens])
 
 
 @dataclass(frozen=True)
