@@ -7,6 +7,7 @@ import os
 
 from engine.config import CacheConfig
 
+from .quant import QuantPolicy
 from .ram import RamTier
 from .ssd import SsdTier
 from .storage import DiskcacheStorage, Storage
@@ -42,8 +43,6 @@ def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | Non
     """
     if not config.enabled:
         return NullStore()
-    if config.quantize_bits is not None:
-        log.warning("prefix cache: quantize_bits is not implemented yet; storing full precision")
     ssd: SsdTier | None = None
     error: str | None = None
     if storage is None and config.ssd_dir is not None:
@@ -55,4 +54,8 @@ def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | Non
     if storage is not None:
         ssd = SsdTier(storage, fingerprint, config.block_size, config.write_queue, queue_bytes)
     ram = RamTier(ram_budget(config, total_memory))
-    return TieredStore(ram, ssd, config.block_size, config.min_restore_tokens, ssd_error=error)
+    quant = None
+    if config.quantize_bits is not None:
+        quant = QuantPolicy(config.quantize_bits, config.quantize_group_size, config.quantize_min_tokens)
+    return TieredStore(ram, ssd, config.block_size, config.min_restore_tokens, ssd_error=error,
+                       quant=quant)

@@ -96,6 +96,10 @@ def _restore_layer(layer: LayerSnapshot, n: int) -> Any:
         state: tuple = (s[0][...], s[1][...], *s[2:])
     else:
         state = _sliced_slots(layer, n)
+    if layer.cls == "KVCache" and isinstance(state[0], tuple):  # stored quantized (quant.py)
+        _, _, _, group_size, bits = state
+        k, v = (mx.dequantize(*part, group_size=group_size, bits=bits) for part in state[:2])
+        state = (k, v, n)
     return SUPPORTED[layer.cls].from_state(state)
 
 
@@ -139,10 +143,19 @@ def truncate(snap: Snapshot, n: int) -> Snapshot:
     return Snapshot(snap.tokens[:n].copy(), layers, sum(a.nbytes for a in arrays) + n * 8, True)
 
 
+def _cut_slot(slot: Any, n: int) -> Any:
+    if isinstance(slot, mx.array):
+        return slot[..., :n, :]
+    if isinstance(slot, tuple):
+        return tuple(a[..., :n, :] for a in slot)
+    return slot
+
+
 def _sliced_slots(layer: LayerSnapshot, n: int) -> tuple[Any, ...]:
-    s = layer.slots
-    if layer.cls == "QuantizedKVCache":
-        return (tuple(a[..., :n, :] for a in s[0]), tuple(a[..., :n, :] for a in s[1]), n, s[3], s[4])
+    """Every array cut to n rows (views) and the offset (and a rotating cache's index) set to n.
+    Works for all stored layouts: plain, mlx-lm-quantized, and store-quantized (quant.py)."""
+    slots = [_cut_slot(s, n) for s in layer.slots]
+    slots[2] = n
     if layer.cls == "RotatingKVCache":
-        return (s[0][..., :n, :], s[1][..., :n, :], n, s[3], s[4], n)
-    return (s[0][..., :n, :], s[1][..., :n, :], n)
+        slots[5] = n
+    return tuple(slots)

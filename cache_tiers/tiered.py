@@ -20,6 +20,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from .quant import QuantPolicy, quantize
 from .ram import RamTier
 from .snapshot import Snapshot, restore, snapshot
 from .ssd import SsdTier
@@ -33,12 +34,14 @@ WRITE_THROUGH: frozenset[str] = frozenset({"finished", "checkpoint", "warmup"})
 
 class TieredStore:
     def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int,
-                 min_restore_tokens: int, ssd_error: str | None = None) -> None:
+                 min_restore_tokens: int, ssd_error: str | None = None,
+                 quant: QuantPolicy | None = None) -> None:
         self.ram = ram
         self.ssd = ssd
         self.block_size = block_size
         self.min_restore_tokens = min_restore_tokens
         self.ssd_error = ssd_error
+        self.quant = quant
         self.totals = TierCounters()
         self.too_short = 0
         ram.on_evict = self._demote
@@ -73,6 +76,8 @@ class TieredStore:
             self.totals.rejected += 1
             log.debug("prefix cache: not storing offer: %s", e)
             return
+        if self.quant is not None:
+            snap = quantize(snap, self.quant)
         queued = False
         if self.ssd is not None and kind in WRITE_THROUGH:
             queued = self.ssd.offer(snap)
