@@ -144,13 +144,16 @@ class SsdTier:
         self._queue.join()
 
     def clear(self) -> None:
+        """Empty the directory; a disk that was full has room again, so writes resume."""
         self.flush()
         self.storage.clear()
+        self.writes_enabled = True
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._writer.join()
-        self.storage.close()
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+            self.storage.close()
 
     # ---- writer thread ----------------------------------------------------------------------
 

@@ -61,13 +61,20 @@ class TieredStore:
             deep = self.ssd.find(toks, min_blocks=lo)
             if deep is not None and deep.num_tokens > num:
                 snap, num, tier = deep.snap, deep.num_tokens, "ssd"
-                self._promote(deep.snap)
         if snap is None or num < max(1, self.min_restore_tokens):
             self.too_short += snap is not None
             return None
+        try:
+            cache = restore(snap, num)
+        except Exception as e:  # never fail a request over the cache
+            log.warning("prefix cache: cannot restore a %s entry: %s", tier, e)
+            (self.ram if tier == "ram" else self.ssd).counters.read_errors += 1  # type: ignore[union-attr]
+            return None
+        if tier == "ssd":
+            self._promote(snap)
         (self.ram if tier == "ram" else self.ssd).counters.hit(num)  # type: ignore[union-attr]
         self.totals.hit(num)
-        return Hit(cache=restore(snap, num), num_tokens=num, tier=tier)
+        return Hit(cache=cache, num_tokens=num, tier=tier)
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         try:

@@ -83,7 +83,7 @@ def _stored_entry_key(tokens, block_size=16):
     return entry_key(chain[len(tokens) // block_size - 1])
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "pickled"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "pickled", "bitflip"])
 def test_corrupt_entry_deleted_and_counted(tmp_path, damage):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     s = store(storage=storage)
@@ -93,6 +93,8 @@ def test_corrupt_entry_deleted_and_counted(tmp_path, damage):
     good = storage.get(key)
     if damage == "truncate":
         storage.set(key, good[: len(good) // 2])
+    elif damage == "bitflip":  # one flipped bit in the float data: still parses, must not serve
+        storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])
     elif damage == "garbage":
         storage.set(key, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json" + b"\0" * 100)
     else:  # a row that plain diskcache would unpickle: must never be read
@@ -120,7 +122,11 @@ def test_full_disk_disables_writes_reads_continue(tmp_path, caplog):
     s.offer(toks(64, 900), kv_cache(64), "finished")  # not even queued any more
     assert s.stats()["ssd"]["queued"] == 0
     assert _ssd_only_hit(s, toks(70)).tier == "ssd"
+    storage.fail_writes = None
+    s.clear("ssd")  # room again: writes resume
+    assert s.stats()["ssd"]["writes_enabled"]
     s.close()
+    s.close()  # idempotent
 
 
 def test_sqlite_full_also_detected(tmp_path):
