@@ -85,7 +85,7 @@ class ApiKeyMiddleware:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.digests or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.digests or _route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         auth = Headers(scope=scope).get("authorization", "")
         scheme, _, token = auth.partition(" ")
@@ -95,6 +95,12 @@ class ApiKeyMiddleware:
         message = ("Missing API key: send it as 'Authorization: Bearer <key>'." if not auth
                    else "The API key is not valid: check the key you send in 'Authorization: Bearer <key>'.")
         await error_response(unauthorized(message))(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path inside the app: Serve mounts it under the application's route_prefix (root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 async def read_body(request: Request, limit: int) -> bytes:
