@@ -60,6 +60,31 @@ def main(n: int = 2000, directory: str | None = None) -> None:
     load = lambda: restore(codec.from_host(codec.decode(storage.get("e/x"), "fp")), n - 1)  # noqa: E731
     print(f"SSD load total (get..restore)     {_ms(load):8.1f} ms")
     storage.close()
+    _end_to_end(tokens, cache, directory)
+
+
+def _end_to_end(tokens: list[int], cache: list[KVCache], directory: str | None) -> None:
+    """Through the public store: offer + background write, then an SSD hit with a longer prompt."""
+    from engine.config import CacheConfig
+
+    from .factory import build_store
+
+    s = build_store(CacheConfig(ram_bytes=2**32, ssd_dir=tempfile.mkdtemp(dir=directory and
+                                                                          directory + "/..")), "fp")
+    t = time.perf_counter()
+    s.offer(tokens, cache, "finished")
+    offered = time.perf_counter()
+    s.flush()  # type: ignore[attr-defined]
+    flushed = time.perf_counter()
+    s.clear("ram")  # type: ignore[attr-defined]
+    t2 = time.perf_counter()
+    hit = s.lookup(tokens + [1, 2, 3])
+    mx.eval([c.keys for c in hit.cache])
+    looked = time.perf_counter()
+    print(f"store.offer 'finished' (MLX thread) {(offered - t) * 1e3:6.1f} ms; background write "
+          f"done after {(flushed - t) * 1e3:.1f} ms")
+    print(f"store.lookup SSD hit of {hit.num_tokens} tokens, evaluated  {(looked - t2) * 1e3:6.1f} ms")
+    s.close()
 
 
 if __name__ == "__main__":
