@@ -323,3 +323,21 @@ async def wait_ready(base_url: str, timeout_s: float = 300.0,
             await asyncio.sleep(1.0)
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
 
+
+
+async def wait_serving(cfg: EndpointConfig, timeout_s: float = 600.0,
+                       alive: Callable[[], bool] | None = None) -> float:
+    """Send a one-token completion until one succeeds: an answering /models (or /health) does not
+    mean the model is loaded (Pomona's ingress answers before its engine replica is ready)."""
+    t0 = time.perf_counter()
+    last = ""
+    async with _client(1) as client:
+        while time.perf_counter() - t0 < timeout_s:
+            if alive is not None and not alive():
+                raise RuntimeError("server process exited before it could serve")
+            result = await stream_chat(client, cfg, [{"role": "user", "content": "ready?"}], 1)
+            if result.ok:
+                return time.perf_counter() - t0
+            last = result.error or ""
+            await asyncio.sleep(1.0)
+    raise TimeoutError(f"{cfg.base_url} did not serve a completion in {timeout_s:.0f} s: {last}")

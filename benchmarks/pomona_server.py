@@ -44,12 +44,18 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
     config = generated_config(model_dir, port, run_dir)
     # Short path: Ray's socket paths must stay under the 107-byte limit of AF_UNIX addresses.
     ray_tmp = f"/tmp/pomona-bench-ray-{port}"
-    gcs_port = port + 1000
+    # Ports of our own, outside Ray's defaults (6379, 10001, 52365, workers 10002-19999), so a
+    # colleague's cluster on this machine and this one never collide.
+    slot = port % 100
+    gcs_port, client_port, agent_port = 6500 + slot, 6600 + slot, 6700 + slot
+    workers = (21000 + slot * 100, 21000 + slot * 100 + 99)
     venv_bin = ROOT / ".venv" / "bin"
     ncpu = os.cpu_count() or 2
     ray_start = [str(venv_bin / "ray"), "start", "--head", f"--port={gcs_port}", f"--temp-dir={ray_tmp}",
                  f"--num-cpus={ncpu}", f"--resources={json.dumps({APPLE_SILICON_RESOURCE: 1})}",
-                 "--include-dashboard=false", "--disable-usage-stats"]
+                 "--include-dashboard=false", "--disable-usage-stats", f"--ray-client-server-port={client_port}",
+                 f"--dashboard-agent-listen-port={agent_port}", f"--min-worker-port={workers[0]}",
+                 f"--max-worker-port={workers[1]}"]
     serve_run = [str(venv_bin / "serve"), "run", f"--address=127.0.0.1:{gcs_port}", str(config)]
     script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
     return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,

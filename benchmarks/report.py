@@ -42,7 +42,8 @@ def plot_sweep(servers: Mapping[str, Mapping[str, Any]], out_dir: Path, prefix: 
         ax.set_ylabel(ylabel)
         ax.set_title(f"{ylabel} vs concurrency (random workload)")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
         fig.tight_layout()
         path = out_dir / f"{prefix}{name}_vs_concurrency.png"
         fig.savefig(path, dpi=100)

@@ -12,6 +12,7 @@ the serving stack is a ratio. Results: JSON + plots under --out, and docs/benchm
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.client import EndpointConfig
+from benchmarks.client import EndpointConfig, wait_serving
 from benchmarks.goals import all_goals
 from benchmarks.models import benchmark_model_dir
 from benchmarks.pomona_server import pomona_server
@@ -76,9 +77,10 @@ def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
         return {"label": name, "skipped": why}
     print(f"[{name}] starting: {' '.join(spec.argv)}", flush=True)
     try:
-        with launched(spec, out / "logs") as ready_s:
-            print(f"[{name}] ready after {ready_s:.1f} s", flush=True)
+        with launched(spec, out / "logs") as up_s:
             cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
+            ready_s = up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
+            print(f"[{name}] serving after {ready_s:.1f} s", flush=True)
             result = run_suite(cfg, suite, maker, name)
             result.update(ready_s=ready_s, command=" ".join(spec.argv))
             return result
