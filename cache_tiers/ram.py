@@ -105,6 +105,11 @@ class RamTier:
         """Entries never handed to the SSD (flushed there at close so a restart finds them)."""
         return [r.snap for r in self._lru.values() if not r.persisted]
 
+    def resize(self, budget_bytes: int) -> None:
+        """New byte budget (e.g. when running requests need memory); evicts, and so demotes, down to it."""
+        self.budget = budget_bytes
+        self._enforce_budget()
+
     def clear(self) -> None:
         self._trie.clear()
         self._lru.clear()

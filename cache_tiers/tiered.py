@@ -100,6 +100,11 @@ class TieredStore:
         if self.ssd is not None and self.ssd.offer(snap):
             self.ssd.counters.demotions += 1
 
+    def set_ram_budget(self, budget_bytes: int) -> None:
+        """Shrink or grow the RAM tier at run time (one memory account with running KV state):
+        entries over the new budget are evicted least-recent first and demoted to the SSD."""
+        self.ram.resize(max(0, budget_bytes))
+
     def clear(self, tier: Literal["ram", "ssd", "all"] = "all") -> None:
         """Drop cached state (admin endpoint). Clearing RAM does not demote what it drops."""
         if tier in ("ram", "all"):

@@ -217,3 +217,15 @@ def test_clear_ssd(tmp_path):
     s.clear("ram")
     assert s.lookup(toks(70)) is None and s.stats()["ssd"]["keys"] == 0
     s.close()
+
+
+def test_shrinking_ram_budget_demotes(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(64), kv_cache(64), "prompt")
+    s.offer(toks(64, 500), kv_cache(64), "prompt")
+    s.lookup(toks(70))  # the first is now the most recent
+    s.set_ram_budget(entry_bytes(64))
+    s.flush()
+    assert s.stats()["ram"]["entries"] == 1 and s.stats()["ssd"]["demotions"] == 1
+    assert s.lookup(toks(70, 500)).tier == "ssd"
+    s.close()
