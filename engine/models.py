@@ -159,6 +159,7 @@ def build_once(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
         try:
             source = {"converter_version": CONVERTER_VERSION, **build(tmp)}
             (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the finished model is readable like any file
             if target.exists():  # an old converter version or a damaged directory
                 old = target.with_name(f".{target.name}.tmp-old")
                 target.rename(old)
