@@ -41,9 +41,11 @@ def float32_copy(src: str | Path, dst: str | Path | None = None, force: bool = F
                           model.parameters()))
     dst.mkdir(parents=True, exist_ok=True)
     save_model(dst, model)
+    skip = {"config.json", "model.safetensors.index.json"}
     for f in src.iterdir():
-        if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and f.name not in (
-                "config.json", "model.safetensors.index.json"):
+        # pomona_* files are engine.models' build records of the source dir, not of this copy.
+        if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and f.name not in skip \
+                and not f.name.startswith("pomona_"):
             shutil.copy2(f, dst / f.name)
     raw = json.loads((src / "config.json").read_text())
     for key in ("quantization", "quantization_config"):
