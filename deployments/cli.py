@@ -1,0 +1,71 @@
+"""`pomona` command line: `pomona node start --head`, `pomona node join ADDRESS`, `pomona node stop`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+from deployments import node
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dev-apple-silicon", action="store_true",
+                   help="declare the apple_silicon resource on a machine that is not an Apple Silicon Mac "
+                        "(development and CI: lets the LLM server run here)")
+    p.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
+    p.add_argument("--object-store-memory", type=int, help="bytes (default: 5%% of RAM within 100 MiB..2 GiB)")
+    p.add_argument("--memory", type=int, help="bytes of memory Ray may schedule (default: Ray's)")
+    p.add_argument("--node-ip-address", help="address other nodes reach this one at")
+    p.add_argument("--auth", choices=("token", "disabled"),
+                   help="Ray cluster auth (default: $RAY_AUTH_MODE, else disabled); use token on shared networks")
+    p.add_argument("--temp-dir", help="Ray's session directory (default: Ray's)")
+    p.add_argument("--host-name", help="name for this host's pomona_host_<name> resource (default: hostname)")
+    p.add_argument("--dry-run", action="store_true", help="print the `ray start` command instead of running it")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="pomona", description="Pomona: LLM serving for Apple Silicon on Ray Serve")
+    groups = top.add_subparsers(dest="group", required=True)
+    node_cmd = groups.add_parser("node", help="start, join or stop a Ray node of the Pomona cluster")
+    actions = node_cmd.add_subparsers(dest="action", required=True)
+    start = actions.add_parser("start", help="start a node (the head with --head)")
+    start.add_argument("--head", action="store_true", required=True, help="start the cluster's head node")
+    start.add_argument("--port", type=int, default=node.DEFAULT_PORT, help="head's GCS port")
+    _node_flags(start)
+    join = actions.add_parser("join", help="start a node that joins the head at ADDRESS (host:port)")
+    join.add_argument("address")
+    _node_flags(join)
+    stop = actions.add_parser("stop", help="stop the Ray processes of this machine")
+    stop.add_argument("--force", action="store_true")
+    return top
+
+
+def options(args: argparse.Namespace) -> node.NodeOptions:
+    return node.NodeOptions(
+        head=args.action == "start", address=getattr(args, "address", None),
+        dev_apple_silicon=args.dev_apple_silicon, num_cpus=args.num_cpus,
+        object_store_memory=args.object_store_memory, memory=args.memory,
+        port=getattr(args, "port", node.DEFAULT_PORT), node_ip_address=args.node_ip_address,
+        auth=args.auth, temp_dir=args.temp_dir, host_name=args.host_name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.action == "stop":
+        return node.stop(force=args.force)
+    try:
+        opts = options(args)
+    except ValueError as exc:
+        print(f"pomona: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        env = f"RAY_AUTH_MODE={node.auth_mode(opts)}"
+        print(env, shlex.join(node.ray_start_command(opts, node.ray_binary())))
+        return 0
+    return node.start(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

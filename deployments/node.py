@@ -1,0 +1,139 @@
+"""Start, join and stop Ray nodes for Pomona (wraps the `ray` CLI; no Ray import needed here).
+
+A node declares what the deployments schedule on:
+- `apple_silicon: 1` on a Mac with Apple Silicon (or anywhere with `--dev-apple-silicon`): the LLM
+  server asks for it, so an engine only lands on such a node, one per machine;
+- `pomona_host_<name>: 1`, a per-host identity a fleet router can pin replicas or requests to.
+It also sizes Ray for small machines (no dashboard, a bounded object store) and sets
+RAY_AUTH_MODE explicitly, because Ray's default differs between `ray start --head` (token auth
+once ~/.ray/auth_token exists) and the workers/CLI (not), which fails with InvalidAuthToken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+APPLE_SILICON_RESOURCE = "apple_silicon"
+HOST_RESOURCE_PREFIX = "pomona_host_"
+DEFAULT_PORT = 6379
+MIN_OBJECT_STORE = 100 * 2**20
+MAX_OBJECT_STORE = 2 * 2**30  # tokens and events are small; the object store only carries those
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    head: bool
+    address: str | None = None  # head's host:port when joining
+    dev_apple_silicon: bool = False
+    num_cpus: int | None = None
+    object_store_memory: int | None = None
+    memory: int | None = None
+    port: int = DEFAULT_PORT
+    node_ip_address: str | None = None
+    auth: str | None = None  # "token" or "disabled"; None: $RAY_AUTH_MODE, else "disabled"
+    temp_dir: str | None = None
+    host_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.head == bool(self.address):
+            raise ValueError("a node is either the head (--head) or joins one (ADDRESS), not both")
+        if self.auth not in (None, "token", "disabled"):
+            raise ValueError("--auth must be 'token' or 'disabled'")
+
+
+def is_apple_silicon(system: str | None = None, machine: str | None = None) -> bool:
+    system = platform.system() if system is None else system
+    machine = platform.machine() if machine is None else machine
+    return system == "Darwin" and machine == "arm64"
+
+
+def host_resource(name: str | None = None) -> str:
+    raw = (name or socket.gethostname()).split(".")[0].lower()
+    return HOST_RESOURCE_PREFIX + (re.sub(r"[^a-z0-9_]", "_", raw) or "host")
+
+
+def total_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # psutil is a dependency; keep a safe answer anyway
+        return 8 * 2**30
+
+
+def object_store_size(memory: int) -> int:
+    """5% of RAM within [100 MiB, 2 GiB]: Ray's default (30%) would take the model's memory."""
+    return max(MIN_OBJECT_STORE, min(MAX_OBJECT_STORE, memory // 20))
+
+
+def resources(opts: NodeOptions, apple: bool | None = None) -> dict[str, float]:
+    apple = is_apple_silicon() if apple is None else apple
+    out = {host_resource(opts.host_name): 1.0}
+    if apple or opts.dev_apple_silicon:
+        out[APPLE_SILICON_RESOURCE] = 1.0
+    return out
+
+
+def auth_mode(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> str:
+    return opts.auth or environ.get("RAY_AUTH_MODE") or "disabled"
+
+
+def ray_start_command(opts: NodeOptions, ray: str = "ray", apple: bool | None = None,
+                      memory: int | None = None) -> list[str]:
+    memory = total_memory() if memory is None else memory
+    cmd = [ray, "start", f"--num-cpus={opts.num_cpus or os.cpu_count() or 1}",
+           f"--object-store-memory={opts.object_store_memory or object_store_size(memory)}",
+           f"--resources={json.dumps(resources(opts, apple), sort_keys=True)}",
+           "--include-dashboard=false", "--disable-usage-stats"]
+    cmd += ["--head", f"--port={opts.port}"] if opts.head else [f"--address={opts.address}"]
+    if opts.memory:
+        cmd.append(f"--memory={opts.memory}")
+    if opts.node_ip_address:
+        cmd.append(f"--node-ip-address={opts.node_ip_address}")
+    if opts.temp_dir:
+        cmd.append(f"--temp-dir={opts.temp_dir}")
+    return cmd
+
+
+def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment for `ray start`: every Ray process of this node inherits it."""
+    env = dict(environ)
+    env["RAY_AUTH_MODE"] = auth_mode(opts, environ)
+    return env
+
+
+def ray_binary() -> str:
+    """The `ray` next to this Python (the project's venv), else the one on PATH."""
+    local = Path(sys.executable).parent / "ray"
+    return str(local) if local.exists() else (shutil.which("ray") or "ray")
+
+
+def run(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    return subprocess.call(list(cmd), env=dict(env) if env is not None else None)
+
+
+def start(opts: NodeOptions) -> int:
+    cmd = ray_start_command(opts, ray_binary())
+    apple = APPLE_SILICON_RESOURCE in resources(opts)
+    print(f"pomona: starting a Ray {'head' if opts.head else 'worker'} node"
+          f"{' with apple_silicon (LLM replicas may run here)' if apple else ' (no apple_silicon: no LLM replicas)'}",
+          file=sys.stderr)
+    code = run(cmd, ray_env(opts))
+    if code == 0 and auth_mode(opts) == "token":
+        print("pomona: token auth is on. Run `export RAY_AUTH_MODE=token` in every shell that uses "
+              "`serve`/`ray`, and copy ~/.ray/auth_token to nodes that join.", file=sys.stderr)
+    return code
+
+
+def stop(force: bool = False) -> int:
+    return run([ray_binary(), "stop"] + (["--force"] if force else []))

@@ -1,0 +1,60 @@
+"""`pomona node ...`: the `ray start` command it builds, without starting Ray (fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments import cli, node
+
+
+def start_cmd(*argv: str, apple: bool = False) -> list[str]:
+    opts = cli.options(cli.parser().parse_args(["node", *argv]))
+    return node.ray_start_command(opts, "ray", apple=apple, memory=16 * 2**30)
+
+
+def resources(cmd: list[str]) -> dict[str, float]:
+    return json.loads(next(a for a in cmd if a.startswith("--resources=")).split("=", 1)[1])
+
+
+def test_head_on_linux_needs_the_dev_flag_for_apple_silicon():
+    assert "apple_silicon" not in resources(start_cmd("start", "--head"))
+    cmd = start_cmd("start", "--head", "--dev-apple-silicon", "--num-cpus", "2", "--object-store-memory", "200000000")
+    assert resources(cmd)["apple_silicon"] == 1.0
+    assert {"--head", "--port=6379", "--num-cpus=2", "--object-store-memory=200000000",
+            "--include-dashboard=false"} <= set(cmd)
+    assert any(k.startswith(node.HOST_RESOURCE_PREFIX) for k in resources(cmd))
+
+
+def test_a_mac_declares_apple_silicon_itself_and_joins_by_address():
+    cmd = start_cmd("join", "10.0.0.5:6379", "--host-name", "Studio.local", apple=True)
+    assert resources(cmd) == {"apple_silicon": 1.0, "pomona_host_studio": 1.0}
+    assert "--address=10.0.0.5:6379" in cmd and "--head" not in cmd
+    assert node.is_apple_silicon("Darwin", "arm64") and not node.is_apple_silicon("Darwin", "x86_64")
+
+
+def test_small_machines_get_a_small_object_store():
+    assert node.object_store_size(8 * 2**30) == 8 * 2**30 // 20
+    assert node.object_store_size(2**30) == node.MIN_OBJECT_STORE
+    assert node.object_store_size(512 * 2**30) == node.MAX_OBJECT_STORE
+
+
+def test_auth_mode_is_always_explicit():
+    opts = node.NodeOptions(head=True)
+    assert node.ray_env(opts, {})["RAY_AUTH_MODE"] == "disabled"
+    assert node.ray_env(opts, {"RAY_AUTH_MODE": "token"})["RAY_AUTH_MODE"] == "token"
+    assert node.ray_env(node.NodeOptions(head=True, auth="token"), {})["RAY_AUTH_MODE"] == "token"
+
+
+def test_dry_run_prints_the_command(capsys):
+    assert cli.main(["node", "start", "--head", "--dev-apple-silicon", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("RAY_AUTH_MODE=") and "ray start" in out and "apple_silicon" in out
+
+
+def test_head_and_address_are_exclusive():
+    with pytest.raises(ValueError):
+        node.NodeOptions(head=True, address="x:1")
+    with pytest.raises(ValueError):
+        node.NodeOptions(head=False)
