@@ -372,7 +372,7 @@ def run_bare(model: Any, wl: Workload, cfg: argparse.Namespace, profile: bool = 
         gen = BatchGenerator(TimedModel(model, rec) if profile else model, stop_tokens=None,
                              completion_batch_size=n, prefill_batch_size=min(cfg.prefill_batch, n),
                              prefill_step_size=cfg.prefill_chunk)
-        t0 = pc()
+        cpu0, t0 = time.thread_time(), pc()
         gen.insert([list(p) for p in wl.prompts], max_tokens=list(wl.max_tokens))
         done = tokens = 0
         while done < n:
@@ -384,9 +384,10 @@ def run_bare(model: Any, wl: Workload, cfg: argparse.Namespace, profile: bool = 
                 if g.finish_reason is not None:
                     done += 1
         rec.begin(gen)  # closes the last step's interval
-        wall = pc() - t0
+        wall, cpu = pc() - t0, time.thread_time() - cpu0
         gen.close()
-    return _result("bare", n, tokens, wall, rec, profile)
+    return _result("bare", n, tokens, wall, rec, profile,
+                   cpu_ms_per_step={"main_thread": cpu / max(len(rec.steps), 1) * 1e3})
 
 
 def _result(mode: str, n: int, tokens: int, wall: float, rec: StepRecorder, profile: bool, **extra: Any) -> dict:
@@ -587,6 +588,31 @@ def profile_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def check_detokenizer(tokenizer: Any, vocab_size: int, seed: int, streams: int = 300) -> dict:
+    """If Pomona swaps in its own detokenizer, check it gives mlx-lm's text after every token."""
+    from engine import text as pomona_text
+
+    fast = getattr(pomona_text, "fast_detokenizer", None)
+    mine = fast(tokenizer.detokenizer) if fast else tokenizer.detokenizer
+    if fast is None or type(mine) is type(tokenizer.detokenizer):
+        return {"detokenizer": type(mine).__name__, "checked": False}
+    rng = random.Random(seed)
+    mismatches = 0
+    for _ in range(streams):
+        ref, got = tokenizer.detokenizer, fast(tokenizer.detokenizer)
+        for _ in range(rng.randint(1, 64)):
+            t = rng.randrange(vocab_size) if rng.random() < 0.7 else rng.randrange(256)
+            ref.add_token(t)
+            got.add_token(t)
+            mismatches += ref.text != got.text
+        ref.finalize()
+        got.finalize()
+        mismatches += ref.text != got.text
+    if mismatches:
+        raise RuntimeError(f"{type(mine).__name__} differs from mlx-lm's detokenizer ({mismatches} mismatches)")
+    return {"detokenizer": type(mine).__name__, "checked": True, "streams": streams, "identical": True}
+
+
 def environment(params: int, dtype: mx.Dtype) -> dict:
     import mlx_lm
 
@@ -614,6 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="raw,bare,engine")
     p.add_argument("--profile", action="store_true", help="also run instrumented bare and engine passes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (GIL hand-over), seconds")
     p.add_argument("--json", help="write results here (default $OUT/device_bench.json when OUT is set)")
     cfg = p.parse_args(argv)
 
@@ -634,6 +661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_tokenizer(shape["vocab_size"], cfg.seed, Path(tmp))
     env = environment(params, dtype)
+    env["detokenizer_check"] = check_detokenizer(tokenizer, shape["vocab_size"], cfg.seed)
+    if cfg.switch_interval is not None:
+        sys.setswitchinterval(cfg.switch_interval)
+    env["switch_interval_s"] = sys.getswitchinterval()
     print(f"# {params / 1e6:,.1f}M-parameter random llama, {dtype}, on {env['device']}; mlx {env['mlx']}, "
           f"mlx-lm {env['mlx_lm']}; built in {pc() - t_start:.1f} s", flush=True)
 
@@ -683,8 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{r['launch_and_wait_ms']:.3f} |")
     print("\n".join(raw_detail))
     for n, by in results["runs"].items():
+        for r in by["bare"]:
+            print(f"# bare N={n}: CPU ms/step of the calling thread {r['cpu_ms_per_step']['main_thread']:.3f}")
         for r in by["engine"] + by["engine_profile"]:
-            print(f"# engine N={n}: CPU ms/step mlx thread {r['cpu_ms_per_step']['mlx_thread']:.3f}, "
+            print(f"# engine N={n}{' (profiled)' if 'parts_ms' in r else ''}: CPU ms/step mlx thread {r['cpu_ms_per_step']['mlx_thread']:.3f}, "
                   f"asyncio thread {r['cpu_ms_per_step']['asyncio_thread']:.3f}")
     print("\n" + table)
     print(f"\n# total {results['wall_s']:.1f} s" + (f"; JSON in {out}" if out else ""))
