@@ -1,0 +1,42 @@
+"""The Starlette app without Ray: readiness (503 before a replica answers) and the key check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.testclient import TestClient
+
+from deployments.http_app import ApiKeyMiddleware, OpenAIServer
+from deployments.metrics import IngressMetrics
+from deployments.settings import AppSettings
+
+
+class NoReplica:
+    """What the ingress sees while no LLM server replica is up: every call fails."""
+
+    def stream(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str):
+        raise AssertionError("must not be called while not ready")
+
+    async def info(self) -> dict[str, Any]:
+        raise RuntimeError("no replica")
+
+    async def stats(self) -> dict[str, Any]:
+        raise RuntimeError("no replica")
+
+
+def test_503_until_a_replica_can_serve():
+    server = OpenAIServer(AppSettings.from_args({"model": "m"}), NoReplica(), load_tokenizer=lambda: None)
+    with TestClient(server.app()) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "service_unavailable"
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        bad = client.post("/v1/completions", json={"model": "m", "prompt": ""})
+        assert bad.status_code == 400  # bad input is still told apart from unavailability
+        assert "pomona_engine_up 0" in client.get("/metrics").text
+
+
+def test_key_check_compares_every_key():
+    mw = ApiKeyMiddleware(app=None, keys=("a" * 40, "b"), metrics=IngressMetrics())  # type: ignore[arg-type]
+    assert mw.allowed("b") and mw.allowed("a" * 40)
+    assert not mw.allowed("") and not mw.allowed("a") and not mw.allowed("c")
