@@ -43,7 +43,8 @@ async def _rounds(args: argparse.Namespace, engine: Any, bare_model: Any, tokeni
         e: EngineRun = await run_concurrent(engine, prompts, args.output_len)
         bare_tps.append(b.output_throughput)
         engine_tps.append(e.output_throughput)
-        rounds.append({"bare": b.as_dict(), "engine": {"output_tokens": e.output_tokens, "duration_s": e.duration_s,
+        rounds.append({"bare": b.as_dict(), "engine": {"output_tokens": e.output_tokens,
+                                                       "duration_s": e.duration_s,
                                                        "output_throughput": e.output_throughput}})
         print(f"round {r + 1}: bare {b.output_throughput:.1f} tok/s ({b.output_tokens} tokens), "
               f"engine {e.output_throughput:.1f} tok/s ({e.output_tokens} tokens), "
