@@ -66,7 +66,7 @@ def run_suite(cfg: EndpointConfig, suite: Suite, maker: TextMaker, label: str,
         out["rates"] = {}
         spec = suite.sweep_spec(max(suite.concurrencies))
         for r in suite.request_rates:
-            convs = build(replace(spec, name=f"random-r{r}"), maker)
+            convs = build(replace(spec, name=f"random-r{r}", seed=spec.seed + 500 + int(r * 10)), maker)
             out["rates"][str(r)] = run_workload(cfg, convs, f"{label} rate={r}", rate=r, seed=spec.seed)
             _log(label, f"rate={r}", out["rates"][str(r)])
     return out

@@ -144,7 +144,10 @@ class Suite:
 
     def sweep_spec(self, concurrency: int) -> WorkloadSpec:
         n = max(self.sweep_min_requests, self.sweep_waves * concurrency)
-        return replace(self.random, name=f"random-c{concurrency}", num_requests=n)
+        # A seed per level: reusing one would make each level's prompts a prefix-cache hit of the
+        # previous level's on any server with a prefix cache, and the sweep would measure the cache.
+        return replace(self.random, name=f"random-c{concurrency}", num_requests=n,
+                       seed=self.random.seed + 1000 + concurrency)
 
 
 def quick_suite() -> Suite:
@@ -153,9 +156,9 @@ def quick_suite() -> Suite:
         concurrencies=(1, 8, 16, 32),
         random=WorkloadSpec("random", "random", input_len=64, output_len=64),
         prefix=WorkloadSpec("prefix", "prefix", num_requests=16, input_len=32, output_len=16,
-                            prefix_len=512, num_prefixes=2),
+                            prefix_len=512, num_prefixes=2, seed=1),
         multiturn=WorkloadSpec("multiturn", "multiturn", num_requests=2, input_len=64, output_len=32,
-                               turns=8),
+                               turns=8, seed=2),
         multiturn_concurrency=2,
         prefix_concurrency=4,
     )
@@ -166,9 +169,9 @@ def full_suite() -> Suite:
         concurrencies=(1, 4, 8, 16, 32),
         random=WorkloadSpec("random", "random", input_len=256, output_len=128),
         prefix=WorkloadSpec("prefix", "prefix", num_requests=32, input_len=64, output_len=32,
-                            prefix_len=2000, num_prefixes=4),
+                            prefix_len=2000, num_prefixes=4, seed=1),
         multiturn=WorkloadSpec("multiturn", "multiturn", num_requests=4, input_len=128, output_len=64,
-                               turns=8),
+                               turns=8, seed=2),
         multiturn_concurrency=4,
         prefix_concurrency=4,
         request_rates=(2.0, 8.0),
