@@ -160,19 +160,32 @@ class StepRecorder:
         if self.cur is not None:
             self.cur["interval"] = now - self.cur["t0"]
             self.steps.append(self.cur)
-        full = (len(gen._generation_batch) == self.n and not gen._unprocessed_sequences
-                and len(gen._prompt_batch) == 0)
-        self.cur = {"t0": now, "full": full, "parts": defaultdict(float)}
+        decoding = len(gen._generation_batch)
+        full = decoding == self.n and not gen._unprocessed_sequences and len(gen._prompt_batch) == 0
+        self.cur = {"t0": now, "full": full, "decoding": decoding, "parts": defaultdict(float), "gen": gen,
+                    "prompt_tokens0": gen._counters.prompt_tokens}
 
     def end(self, prompt_responses: list, generation_responses: list) -> None:
         cur = self.cur
         cur["parts"]["bg.next"] += pc() - cur["t0"]
+        cur["prompt_tokens"] = cur.pop("gen")._counters.prompt_tokens - cur.pop("prompt_tokens0")
         cur["pure"] = (cur["full"] and not prompt_responses and len(generation_responses) == self.n
                        and all(r.finish_reason is None for r in generation_responses))
 
     def add(self, key: str, seconds: float) -> None:
         if self.cur is not None:
             self.cur["parts"][key] += seconds
+
+    def phases(self) -> dict:
+        """Where the wall time went: steps that prefilled, steady full-batch steps, other decode steps."""
+        out = {}
+        for name, test in (("prefill", lambda s: s.get("prompt_tokens", 0) > 0), ("steady", lambda s: s.get("pure")),
+                           ("other decode", lambda s: not s.get("pure") and not s.get("prompt_tokens", 0))):
+            chosen = [s for s in self.steps if test(s)]
+            out[name] = {"steps": len(chosen), "seconds": sum(s["interval"] for s in chosen),
+                         "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in chosen),
+                         "mean_decoding": statistics.fmean(s["decoding"] for s in chosen) if chosen else 0.0}
+        return out
 
     def pure(self) -> list[dict]:
         return [s for s in self.steps if s.get("pure")]
@@ -231,15 +244,17 @@ class TimedModel:
     """The model, with the Python time of building each forward graph recorded (MLX is lazy: the
     call only records the graph; the kernels run at `async_eval`/`eval`)."""
 
-    def __init__(self, model: Any, rec: StepRecorder) -> None:
-        self._model, self._rec = model, rec
+    def __init__(self, model: Any, rec: StepRecorder | None) -> None:
+        self._model, self.rec = model, rec
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.rec is None:
+            return self._model(*args, **kwargs)
         t = pc()
         try:
             return self._model(*args, **kwargs)
         finally:
-            self._rec.add("model_build", pc() - t)
+            self.rec.add("model_build", pc() - t)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -392,82 +407,101 @@ def run_bare(model: Any, wl: Workload, cfg: argparse.Namespace, profile: bool = 
 
 def _result(mode: str, n: int, tokens: int, wall: float, rec: StepRecorder, profile: bool, **extra: Any) -> dict:
     out = {"mode": mode, "concurrency": n, "output_tokens": tokens, "wall_s": wall,
-           "tokens_per_s": tokens / wall, "steps": len(rec.steps), "steady": rec.steady_ms(), **extra}
+           "tokens_per_s": tokens / wall, "steps": len(rec.steps), "steady": rec.steady_ms(),
+           "phases": rec.phases(), **extra}
     if profile:
         out["parts_ms"] = rec.parts_ms()
     return out
 
 
 # -- (c) Pomona's engine ----------------------------------------------------------------------
-def run_engine(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Namespace, tag: str,
-               profile: bool = False) -> dict:
-    return asyncio.run(_engine_async(model, tokenizer, wl, cfg, tag, profile))
+class EngineSession:
+    """One `AsyncEngine` for every run at one concurrency, warm-up included, as in a server.
 
+    MLX's CUDA backend keeps its compiled-graph caches per stream, and mlx-lm's generation stream
+    is thread-local: an engine built afresh for every run (a new MLX thread) would meet every batch
+    shape cold again, while the bare loop, on the main thread, reuses its warm-up.
+    """
 
-async def _engine_async(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Namespace, tag: str,
-                        profile: bool) -> dict:
-    from cache_tiers.store import NullStore
-    from engine.config import CacheConfig, EngineConfig
-    from engine.loop import AsyncEngine, Loaded
-    from engine.types import Request, SamplingParams
+    def __init__(self, model: Any, tokenizer: Any, cfg: argparse.Namespace, n: int) -> None:
+        from cache_tiers.store import NullStore
+        from engine.config import CacheConfig, EngineConfig
+        from engine.loop import AsyncEngine, Loaded
 
-    n = len(wl.prompts)
-    rec = StepRecorder(n)
-    run_model = TimedModel(model, rec) if profile else model
-    config = EngineConfig(model="random-llama", max_running=n, prefill_batch=min(cfg.prefill_batch, n),
-                          prefill_chunk=cfg.prefill_chunk, request_timeout_s=None,
-                          cache=CacheConfig(enabled=False))
-    aengine = AsyncEngine(config, loader=lambda c: Loaded(run_model, tokenizer, CONTEXT, "random-llama", "random"),
-                          store_factory=lambda c, l: NullStore())
-    await aengine.wait_ready(timeout=600)
-    stack = contextlib.ExitStack()
-    if profile:
-        from engine.text import TextStream
+        self.n, self.tokenizer = n, tokenizer
+        self.model = TimedModel(model, None)  # times graph building only while a profile run sets .rec
+        config = EngineConfig(model="random-llama", max_running=n, prefill_batch=min(cfg.prefill_batch, n),
+                              prefill_chunk=cfg.prefill_chunk, request_timeout_s=None,
+                              cache=CacheConfig(enabled=False))
+        self.aengine = AsyncEngine(
+            config, loader=lambda c: Loaded(self.model, tokenizer, CONTEXT, "random-llama", "random"),
+            store_factory=lambda c, l: NullStore())
 
-        stack.enter_context(generator_profile(rec))
-        stack.enter_context(patched(rec, [
-            (TextStream, "add", "TextStream.add"),
-            (type(tokenizer._detokenizer), "add_token", "detok.add_token"),
-            (aengine, "_handle_commands", "loop._handle_commands"),
-            (aengine, "_publish_stats", "loop._publish_stats"),
-            (aengine, "_deliver", "loop._deliver"),
-        ]))
+    async def start(self) -> None:
+        await self.aengine.wait_ready(timeout=600)
 
-    def install(engine: Any) -> float:
-        """On the MLX thread: mark step boundaries at `BatchGenerator.next` (and time Pomona's parts)."""
-        gen = engine.runner._generator
-        real_next = gen.next
+    async def close(self) -> None:
+        await self.aengine.shutdown()
 
-        def next_() -> Any:
-            rec.begin(gen)
-            prompt_responses, generated = real_next()
-            rec.end(prompt_responses, generated)
-            return prompt_responses, generated
+    async def run(self, wl: Workload, tag: str, profile: bool = False) -> dict:
+        from engine.types import Request, SamplingParams
 
-        gen.next = next_
+        n, aengine = self.n, self.aengine
+        rec = StepRecorder(n)
+        stack = contextlib.ExitStack()
         if profile:
-            for name, key in (("step", "engine.step"), ("_on_generated", "engine._on_generated"),
-                              ("_on_prompts", "engine._on_prompts")):
-                setattr(engine, name, timed(getattr(engine, name), key, rec))
-            engine.runner.step = timed(engine.runner.step, "runner.step", rec)
-        return time.thread_time()
+            from engine.text import TextStream
 
-    def uninstall(engine: Any) -> float:
-        rec.begin(engine.runner._generator)  # closes the last step's interval
-        return time.thread_time()
+            self.model.rec = rec
+            stack.callback(setattr, self.model, "rec", None)
+            stack.enter_context(generator_profile(rec))
+            stack.enter_context(patched(rec, [
+                (TextStream, "add", "TextStream.add"),
+                (type(self.tokenizer._detokenizer), "add_token", "detok.add_token"),
+                (aengine, "_handle_commands", "loop._handle_commands"),
+                (aengine, "_publish_stats", "loop._publish_stats"),
+                (aengine, "_deliver", "loop._deliver"),
+            ]))
+        wrapped: list[tuple[Any, str]] = []
 
-    requests = [Request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), request_id=f"{tag}-{i}")
-                for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
+        def install(engine: Any) -> float:
+            """On the MLX thread: mark step boundaries at `BatchGenerator.next`, time Pomona's parts."""
+            gen = engine.runner._generator
+            real_next = gen.next
 
-    async def consume(request: Request) -> tuple[int, int]:
-        tokens = chars = 0
-        async for batch in aengine.stream(request):
-            for event in batch:
-                tokens += event.token_id is not None
-                chars += len(event.text)
-        return tokens, chars
+            def next_() -> Any:
+                rec.begin(gen)
+                prompt_responses, generated = real_next()
+                rec.end(prompt_responses, generated)
+                return prompt_responses, generated
 
-    try:
+            gen.next = next_
+            wrapped.append((gen, "next"))
+            if profile:
+                for owner, name, key in ((engine, "step", "engine.step"), (engine, "_on_generated", "engine._on_generated"),
+                                         (engine, "_on_prompts", "engine._on_prompts"), (engine.runner, "step", "runner.step")):
+                    setattr(owner, name, timed(getattr(owner, name), key, rec))
+                    wrapped.append((owner, name))
+            return time.thread_time()
+
+        def uninstall(engine: Any) -> float:
+            rec.begin(engine.runner._generator)  # closes the last step's interval
+            for owner, name in wrapped:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            return time.thread_time()
+
+        requests = [Request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
+                            request_id=f"{tag}-{i}") for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
+
+        async def consume(request: Request) -> tuple[int, int]:
+            tokens = chars = 0
+            async for batch in aengine.stream(request):
+                for event in batch:
+                    tokens += event.token_id is not None
+                    chars += len(event.text)
+            return tokens, chars
+
         with stack:
             mlx_cpu0 = await aengine.call(install)
             main_cpu0 = time.thread_time()
@@ -476,12 +510,19 @@ async def _engine_async(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.
             wall = pc() - t0
             main_cpu = time.thread_time() - main_cpu0
             mlx_cpu = await aengine.call(uninstall) - mlx_cpu0
-    finally:
-        await aengine.shutdown()
-    tokens = sum(c[0] for c in counts)
-    steps = max(len(rec.steps), 1)
-    return _result("engine", n, tokens, wall, rec, profile, text_chars=sum(c[1] for c in counts),
-                   cpu_ms_per_step={"mlx_thread": mlx_cpu / steps * 1e3, "asyncio_thread": main_cpu / steps * 1e3})
+        tokens = sum(c[0] for c in counts)
+        steps = max(len(rec.steps), 1)
+        return _result("engine", n, tokens, wall, rec, profile, text_chars=sum(c[1] for c in counts),
+                       cpu_ms_per_step={"mlx_thread": mlx_cpu / steps * 1e3, "asyncio_thread": main_cpu / steps * 1e3})
+
+
+def run_bare_in_thread(model: Any, wl: Workload, cfg: argparse.Namespace) -> dict:
+    """Control for the per-thread stream caches: the bare loop on a thread of its own, run once."""
+    box: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: box.update(result=run_bare(model, wl, cfg)))
+    worker.start()
+    worker.join()
+    return {**box["result"], "mode": "bare, fresh thread"}
 
 
 # -- reporting --------------------------------------------------------------------------------
@@ -499,19 +540,21 @@ def summarize(results: dict) -> tuple[str, dict]:
              "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
     ratios = {}
     for n, by in results["runs"].items():
-        n_ = int(n)
+        n_ = by["n"]
         summary = {}
         for variant in ("raw", "pipelined", "+logprobs"):
             ms = [r["ms_per_step"] for r in by["raw"] if r["variant"] == variant]
             summary[variant] = {"ms": _median(ms), "tps": None, "spread": ms, "steps": by["raw"][0]["steps"] if ms else 0}
-        for mode in ("bare", "engine"):
+        for mode in ("bare", "engine", "bare_thread"):
             ms = [r["steady"]["mean"] for r in by[mode]]
             summary[mode] = {"ms": _median(ms), "tps": _median([r["tokens_per_s"] for r in by[mode]]),
                              "spread": ms, "steps": _median([r["steady"]["steps"] for r in by[mode]])}
         for name, s in summary.items():
+            if s["ms"] is None and s["tps"] is None:
+                continue
             label = {"raw": "raw step", "pipelined": "raw, pipelined + tolist",
                      "+logprobs": "raw, pipelined + logprobs split", "bare": "bare BatchGenerator",
-                     "engine": "Pomona engine (AsyncEngine)"}[name]
+                     "engine": "Pomona engine (AsyncEngine)", "bare_thread": "bare, on a fresh thread"}[name]
             steady_tps = None if s["ms"] is None else n_ * 1e3 / s["ms"]
             spread = "/".join(_fmt(v) for v in s["spread"]) if s["spread"] else "-"
             lines.append(f"| {n} | {label} | {_fmt(s['tps'], ',.0f')} | {_fmt(s['ms'])} | "
@@ -532,6 +575,18 @@ def summarize(results: dict) -> tuple[str, dict]:
         vals = list(r.values())
         lines.append(f"| {n} | {_fmt(vals[0], '.3f')} | {_fmt(vals[1], '.3f')} | {_fmt(vals[2], '.3f')} |")
     return "\n".join(lines), ratios
+
+
+def phases_table(results: dict) -> str:
+    lines = ["| run | steps | prefill steps (s) | steady steps (s) | other decode steps (s) | wall s |",
+             "| --- | ---: | --- | --- | --- | ---: |"]
+    for label, by in results["runs"].items():
+        for mode in ("bare", "engine", "bare_thread"):
+            for r in by[mode]:
+                ph = r["phases"]
+                cells = [f"{ph[k]['steps']} ({ph[k]['seconds']:.2f})" for k in ("prefill", "steady", "other decode")]
+                lines.append(f"| {mode} {label} | {r['steps']} | " + " | ".join(cells) + f" | {r['wall_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def _unaccounted(p: dict[str, float]) -> float:
@@ -627,7 +682,8 @@ def environment(params: int, dtype: mx.Dtype) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small model and sizes, for a CPU smoke test")
-    p.add_argument("--concurrency", help="comma-separated (default 32,128; --tiny 4,8)")
+    p.add_argument("--concurrency", help="comma-separated N or N:MIN-MAX (prompt lengths for that run); "
+                                         "default 32,128 (--tiny 4,8)")
     p.add_argument("--prompt-len", help="min,max prompt tokens (default 100,1000; --tiny 20,60)")
     p.add_argument("--out-len", help="min,max output tokens (default 128,256; --tiny 8,16)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each mode per concurrency")
@@ -637,8 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=256, help="as EngineConfig.prefill_chunk")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="default: float32 on the CPU backend, bfloat16 on GPUs")
-    p.add_argument("--modes", default="raw,bare,engine")
-    p.add_argument("--profile", action="store_true", help="also run instrumented bare and engine passes")
+    p.add_argument("--modes", default="raw,bare,engine", help="raw,bare,engine and/or bare_thread (a control)")
+    p.add_argument("--profile", nargs="?", const="all",
+                   help="also run instrumented bare and engine passes (for these --concurrency items; default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (GIL hand-over), seconds")
     p.add_argument("--json", help="write results here (default $OUT/device_bench.json when OUT is set)")
@@ -647,9 +704,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     def pair(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
         return default if text is None else tuple(int(x) for x in text.split(","))  # type: ignore[return-value]
 
-    cfg.concurrency = [int(x) for x in (cfg.concurrency or ("4,8" if cfg.tiny else "32,128")).split(",")]
     cfg.prompt_len = pair(cfg.prompt_len, (20, 60) if cfg.tiny else (100, 1000))
     cfg.out_len = pair(cfg.out_len, (8, 16) if cfg.tiny else (128, 256))
+    workloads = []  # (label, n, prompt_len)
+    for item in (cfg.concurrency or ("4,8" if cfg.tiny else "32,128")).split(","):
+        n, _, lens = item.partition(":")
+        workloads.append((item, int(n), tuple(int(x) for x in lens.split("-")) if lens else cfg.prompt_len))
+    profile_labels = None if cfg.profile is None else (
+        {w[0] for w in workloads} if cfg.profile == "all" else set(cfg.profile.split(",")))
     cfg.raw_steps = cfg.raw_steps or (8 if cfg.tiny else 64)
     modes = set(cfg.modes.split(","))
     on_gpu = mx.default_device() == mx.gpu
@@ -670,32 +732,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: dict[str, Any] = {"env": env, "config": {k: v for k, v in vars(cfg).items()}, "model": shape,
                                "runs": {}}
-    for n in cfg.concurrency:
-        wl = make_workload(n, shape["vocab_size"], cfg.prompt_len, cfg.out_len, cfg.seed)
-        by: dict[str, list] = {"raw": [], "bare": [], "engine": [], "bare_profile": [], "engine_profile": []}
-        results["runs"][str(n)] = by
-        t = pc()
-        run_bare(model, wl, cfg)  # warm-up: every kernel and shape these runs meet
-        if "engine" in modes:
-            run_engine(model, tokenizer, wl, cfg, f"warm{n}")
-        print(f"# N={n}: {sum(map(len, wl.prompts))} prompt tokens, {wl.output_tokens} output tokens; "
-              f"warm-up {pc() - t:.1f} s", flush=True)
-        for rep in range(cfg.repeats):
-            if "raw" in modes:
-                by["raw"] += run_raw(model, wl, cfg)
-            if "bare" in modes:
-                by["bare"].append(run_bare(model, wl, cfg))
-            if "engine" in modes:
-                by["engine"].append(run_engine(model, tokenizer, wl, cfg, f"n{n}r{rep}"))
-            last = {k: v[-1] for k, v in by.items() if v and k in ("bare", "engine")}
-            print(f"# N={n} rep {rep}: " + "; ".join(
-                f"{k} {r['tokens_per_s']:,.0f} tok/s, steady {_fmt(r['steady']['mean'])} ms/step" for k, r in last.items())
-                + "; raw " + ", ".join(f"{r['variant']} {r['ms_per_step']:.2f}" for r in by["raw"][-3:]), flush=True)
-        if cfg.profile:
-            if "bare" in modes:
-                by["bare_profile"].append(run_bare(model, wl, cfg, profile=True))
-            if "engine" in modes:
-                by["engine_profile"].append(run_engine(model, tokenizer, wl, cfg, f"prof{n}", profile=True))
+    for label, n, prompt_len in workloads:
+        wl = make_workload(n, shape["vocab_size"], prompt_len, cfg.out_len, cfg.seed)
+        by: dict[str, Any] = {"n": n, "prompt_len": prompt_len, "raw": [], "bare": [], "engine": [],
+                              "bare_thread": [], "bare_profile": [], "engine_profile": []}
+        results["runs"][label] = by
+        asyncio.run(_measure(model, tokenizer, wl, cfg, label, by, modes,
+                             profile_labels is not None and label in profile_labels))
+    results["wall_s"] = pc() - t_start
     results["wall_s"] = pc() - t_start
 
     table, ratios = summarize(results)
@@ -705,8 +749,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = cfg.json or (os.path.join(os.environ["OUT"], "device_bench.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(results, indent=1, default=str))
+    results.pop("phases_md", None)
+    results["phases_md"] = phases = phases_table(results)
     if prof:
         print("\n" + prof)
+    print("\n" + phases)
     raw_detail = ["", "| N | raw rung | ms/step | graph build ms | launch + wait ms |", "| --- | --- | ---: | ---: | ---: |"]
     for n, by in results["runs"].items():
         for r in by["raw"]:
@@ -720,9 +767,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# engine N={n}{' (profiled)' if 'parts_ms' in r else ''}: CPU ms/step mlx thread {r['cpu_ms_per_step']['mlx_thread']:.3f}, "
                   f"asyncio thread {r['cpu_ms_per_step']['asyncio_thread']:.3f}")
     print("\n" + table)
-    print(f"\n# total {results['wall_s']:.1f} s" + (f"; JSON in {out}" if out else ""))
+    print(f"\n# total {results['wall_s']:.1f} s" + (f"; JSON in {out}" if out else ""), flush=True)
     return 0
 
 
+async def _measure(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Namespace, label: str, by: dict,
+                   modes: set[str], profile: bool) -> None:
+    """Warm up, then the timed repeats, then the profiled passes, for one workload."""
+    t = pc()
+    run_bare(model, wl, cfg)  # warm-up: every kernel and batch shape these runs meet
+    session = None
+    if "engine" in modes:
+        session = EngineSession(model, tokenizer, cfg, by["n"])
+        await session.start()
+        await session.run(wl, f"warm-{label}")
+    print(f"# {label}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
+          f"{wl.output_tokens} output tokens; warm-up {pc() - t:.1f} s", flush=True)
+    try:
+        for rep in range(cfg.repeats):
+            if "raw" in modes:
+                by["raw"] += run_raw(model, wl, cfg)
+            if "bare" in modes:
+                by["bare"].append(run_bare(model, wl, cfg))
+            if session is not None:
+                by["engine"].append(await session.run(wl, f"{label}-r{rep}"))
+            last = {k: by[k][-1] for k in ("bare", "engine") if by[k]}
+            print(f"# {label} rep {rep}: " + "; ".join(
+                f"{k} {r['tokens_per_s']:,.0f} tok/s, steady {_fmt(r['steady']['mean'])} ms/step"
+                for k, r in last.items()) + "; raw " + ", ".join(
+                f"{r['variant']} {r['ms_per_step']:.2f}" for r in by["raw"][-3:]), flush=True)
+        if "bare_thread" in modes:
+            by["bare_thread"].append(run_bare_in_thread(model, wl, cfg))
+        if profile:
+            if "bare" in modes:
+                by["bare_profile"].append(run_bare(model, wl, cfg, profile=True))
+            if session is not None:
+                by["engine_profile"].append(await session.run(wl, f"prof-{label}", profile=True))
+    finally:
+        if session is not None:
+            await session.close()
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    rc = main()
+    # MLX's CUDA backend aborts at interpreter exit ("terminate called without an active
+    # exception") once threads other than the main one have used their thread-local streams; the
+    # results are written by then, so leave without running C++ static destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
