@@ -55,6 +55,8 @@ class EngineConfig:
     request_timeout_s: float | None = 600.0
     dtype: str | None = None  # None: float32 on CPU, keep checkpoint dtype/quantization on GPU
     warmup_prompts: tuple[str, ...] = ()
+    checkpoint_every: int | None = 1024  # offer the partial prompt cache every N prefilled tokens
+    memory_budget_bytes: int | None = None  # one account for running KV + the RAM cache tier
     cache: CacheConfig = CacheConfig()
 
     def __post_init__(self) -> None:
@@ -62,6 +64,8 @@ class EngineConfig:
                      "max_tokens_limit", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError("engine.checkpoint_every must be >= 1 or null")
         if self.prefill_batch > self.max_running:
             raise ValueError("engine.prefill_batch cannot exceed engine.max_running")
         if not isinstance(self.policy, SchedulingPolicy):

@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Any, Callable
 
+import mlx.core as mx
+
 from cache_tiers.store import NullStore, PrefixStore
 from engine.config import EngineConfig
 from engine.runner import Generated, PromptProgress, Runner
@@ -55,7 +57,7 @@ class Engine:
         )
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-                      error: str | None = None) -> list[TokenEvent]:
+                      error: str | None = None, code: str | None = None) -> list[TokenEvent]:
         seq = self.seqs.get(request_id)
         if seq is None:
             return []
@@ -63,7 +65,7 @@ class Engine:
             self.scheduler.finish_requests({request_id})
         else:
             self._remove_running(seq, store=True)
-        return [self._final(seq, reason, "", error=error)]
+        return [self._final(seq, reason, "", error=error, code=code)]
 
     def has_work(self) -> bool:
         return bool(self.seqs)
@@ -104,7 +106,8 @@ class Engine:
                                make_decoding(params, len(tokens), self._eos), params.max_tokens)
         except Exception as exc:
             log.exception("could not start request %s", seq.request_id)
-            return [self._final(seq, FinishReason.ERROR, "", error=f"could not start the request: {exc}")]
+            return [self._final(seq, FinishReason.ERROR, "", error=f"could not start the request: {exc}",
+                                code="internal_error")]
         seq.cached_tokens, seq.cache_tier = cached, (hit.tier if hit else None)
         seq.admitted_at = self._clock()
         seq.advance(RequestStatus.PREFILLING)
@@ -120,6 +123,15 @@ class Engine:
             seq.prefill_done = p.done
             if p.end_of_prompt and seq.prompt_len >= self._min_store:
                 self._offer(seq, self.runner.extract(seq.request_id), "prompt")
+            elif not p.end_of_prompt and self._checkpoint_due(seq):
+                # A long prefill leaves a resumable trail: an abort, a fault or a second request
+                # with the same start continues from here instead of from zero.
+                seq.checkpointed = seq.prefill_done
+                self._offer(seq, self.runner.extract(seq.request_id), "checkpoint")
+
+    def _checkpoint_due(self, seq: Sequence) -> bool:
+        every = self.config.checkpoint_every
+        return every is not None and seq.prefill_left > 0 and seq.prefill_done - seq.checkpointed >= every
 
     def _on_generated(self, generated: list[Generated]) -> list[TokenEvent]:
         events = []
@@ -162,11 +174,12 @@ class Engine:
 
     # -- endings ------------------------------------------------------------------------------
     def _final(self, seq: Sequence, reason: FinishReason, text: str, token: int | None = None,
-               logprob: TokenLogprob | None = None, error: str | None = None) -> TokenEvent:
+               logprob: TokenLogprob | None = None, error: str | None = None,
+               code: str | None = None) -> TokenEvent:
         seq.finish(reason)
         self.seqs.pop(seq.request_id, None)
         self.stats.requests_finished[reason.value] += 1
-        return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error)
+        return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error, code)
 
     def _remove_running(self, seq: Sequence, store: bool) -> None:
         keep = store and seq.status is RequestStatus.DECODING
@@ -194,7 +207,7 @@ class Engine:
             events += self.abort_request(
                 seq.request_id, FinishReason.ERROR,
                 error=f"The request exceeded the server's {limit:.0f} s time limit; "
-                      "ask for fewer tokens or retry when the server is less busy.")
+                      "ask for fewer tokens or retry when the server is less busy.", code="timeout")
         return events
 
     def _recover(self, exc: Exception) -> list[TokenEvent]:
@@ -207,7 +220,21 @@ class Engine:
             if seq is not None:
                 events.append(self._final(seq, FinishReason.ERROR, "", error=(
                     f"The server hit an internal error while generating ({type(exc).__name__}: {exc}). "
-                    "The request was stopped; retrying it is safe.")))
+                    "The request was stopped; retrying it is safe."), code="internal_error"))
+        return events
+
+    def deep_reset(self) -> list[TokenEvent]:
+        """Fail what is running, drop every cached prefix and release MLX's buffer cache."""
+        events = []
+        for request_id in self.runner.reset():
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                events.append(self._final(seq, FinishReason.ERROR, "", error=(
+                    "The server's cache was reset by an administrator; retry the request."), code="reset"))
+        clear = getattr(self.store, "clear", None)
+        if clear is not None:
+            clear("all")
+        mx.clear_cache()
         return events
 
     def running_status(self) -> list[dict]:

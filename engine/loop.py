@@ -95,6 +95,11 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self._ready.done() and self._ready.exception() is None
 
+    @property
+    def alive(self) -> bool:
+        """Ready and its MLX thread still running (a health check that costs nothing)."""
+        return self.ready and self._thread.is_alive()
+
     def check(self, request: Request) -> None:
         """Refuse a request that can never run, before it is queued."""
         if self._closing:
@@ -153,6 +158,32 @@ class AsyncEngine:
         self._commands.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
+    async def deep_reset(self) -> int:
+        """Fail running requests, empty the prefix store, release MLX buffers; returns how many failed."""
+
+        def reset(engine: Engine) -> int:
+            events = engine.deep_reset()
+            self._deliver(events)
+            return len(events)
+
+        return await self.call(reset)
+
+    async def clear_cache(self, tier: str = "all") -> dict[str, Any]:
+        """Empty one prefix-cache tier ("ram", "ssd" or "all"); returns the cache stats after."""
+        if tier not in ("ram", "ssd", "all"):
+            raise ValueError('tier must be "ram", "ssd" or "all"')
+
+        def clear(engine: Engine) -> dict[str, Any]:
+            clear_tier = getattr(engine.store, "clear", None)
+            if clear_tier is not None:
+                clear_tier(tier)
+            return engine.store.stats()
+
+        return await self.call(clear)
+
+    async def requests_status(self) -> list[dict[str, Any]]:
+        return await self.call(lambda engine: engine.running_status())
+
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
@@ -187,7 +218,9 @@ class AsyncEngine:
                 last_stats = time.monotonic()
             self._deliver(events)
         for request_id in list(engine.seqs):
-            self._deliver(engine.abort_request(request_id, FinishReason.ABORT, "the server is shutting down"))
+            self._deliver(engine.abort_request(request_id, FinishReason.ABORT,
+                                               "The server is shutting down; retry on another replica.",
+                                               code="shutdown"))
         engine.close()
 
     def _build(self) -> Engine:

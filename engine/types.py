@@ -204,6 +204,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_code: str | None = None  # "timeout", "internal_error", "reset" or "shutdown" with ERROR/ABORT
 
     @property
     def finished(self) -> bool:

@@ -20,8 +20,13 @@ class FaultyModel:
     def __init__(self, model: Any) -> None:
         self.inner = model
         self.armed = False
+        self.fail_after: int | None = None  # fail on the N-th forward call from now
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail_after is not None:
+            self.fail_after -= 1
+            if self.fail_after <= 0:
+                self.fail_after, self.armed = None, True
         if self.armed:
             self.armed = False
             raise RuntimeError("injected fault")

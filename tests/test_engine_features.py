@@ -1,0 +1,121 @@
+"""Seed-parity features of the engine: checkpoints, warm-up, bounded KV, deep reset."""
+
+from __future__ import annotations
+
+from engine.config import CacheConfig
+from engine.loop import default_store
+from engine.types import FinishReason, Request, SamplingParams
+from engine_helpers import FaultyModel, collect, make_engine, request, run
+
+TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 40
+
+
+def store_config(tmp_path) -> CacheConfig:
+    return CacheConfig(ram_bytes=256 * 2**20, ssd_dir=str(tmp_path / "ssd"), block_size=16, min_restore_tokens=8)
+
+
+def test_failed_long_prefill_resumes_from_last_checkpoint(tiny_model_dir, tmp_path):
+    holder = {}
+
+    def wrap(model):
+        holder["m"] = FaultyModel(model)
+        return holder["m"]
+
+    eng = make_engine(tiny_model_dir, wrap=wrap, store_factory=default_store, cache=store_config(tmp_path),
+                      prefill_chunk=64, checkpoint_every=128)
+    try:
+        tokens = tuple(eng.tokenizer.encode(TEXT))[:600]
+        assert len(tokens) == 600
+        holder["m"].fail_after = 6  # the 6th prefill chunk fails: 320 tokens were done
+        events = run(collect(eng, Request(tokens, SamplingParams(max_tokens=4, temperature=0.0))))[1]
+        assert events[-1].finish_reason is FinishReason.ERROR
+        events = run(collect(eng, Request(tokens, SamplingParams(max_tokens=4, temperature=0.0))))[1]
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert events[-1].usage.cached_tokens == 256  # the last checkpoint before the fault
+    finally:
+        run(eng.shutdown())
+
+
+def test_warmup_prompt_is_cached_before_first_request(tiny_model_dir, tmp_path):
+    system = "You are a helpful assistant. " * 10
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=store_config(tmp_path),
+                      warmup_prompts=(system,))
+    try:
+        events = run(collect(eng, request(eng, system + "What is the capital of France?")))[1]
+        assert events[-1].usage.cached_tokens >= len(eng.tokenizer.encode(system)) - 2
+        assert events[-1].usage.cache_tier == "ram"
+    finally:
+        run(eng.shutdown())
+
+
+def test_bounded_kv_keeps_streaming_past_its_size(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, max_kv_size=64)
+    try:
+        text, events = run(collect(eng, request(eng, TEXT[:200], max_tokens=300)))
+        assert events[-1].finish_reason is FinishReason.LENGTH and len(events) == 300
+        assert eng.stats()["kv_bytes"] == 0  # nothing left running
+    finally:
+        run(eng.shutdown())
+
+
+def test_deep_reset_fails_running_and_empties_cache(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=store_config(tmp_path))
+    try:
+        run(collect(eng, request(eng, TEXT[:300])))
+
+        async def scenario():
+            gen = eng.generate(request(eng, "hello world", max_tokens=1900))
+            await gen.__anext__()
+            failed = await eng.deep_reset()
+            return failed, [e async for e in gen]
+
+        failed, rest = run(scenario())
+        assert failed == 1
+        assert rest[-1].finish_reason is FinishReason.ERROR
+        events = run(collect(eng, request(eng, TEXT[:300])))[1]
+        assert events[-1].usage.cached_tokens == 0
+    finally:
+        run(eng.shutdown())
+
+
+def test_request_status_lists_phases(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, max_running=1, prefill_batch=1)
+    try:
+        async def scenario():
+            gen = eng.generate(request(eng, "hello world", max_tokens=1900, request_id="decoding-one"))
+            await gen.__anext__()
+            waiting = eng.generate(request(eng, "Madrid", request_id="queued-one"))
+            import asyncio
+
+            task = asyncio.ensure_future(waiting.__anext__())
+            await asyncio.sleep(0.3)
+            status = {s["id"]: s for s in await eng.requests_status()}
+            eng.abort("decoding-one")
+            eng.abort("queued-one")
+            async for _ in gen:
+                pass
+            await task
+            return status
+
+        status = run(scenario())
+        assert status["decoding-one"]["phase"] == "decode"
+        assert status["decoding-one"]["output_tokens"] >= 1 and status["decoding-one"]["ttft_s"] is not None
+        assert status["queued-one"]["phase"] == "queued"
+    finally:
+        run(eng.shutdown())
+
+
+def test_clear_cache_tiers(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=store_config(tmp_path))
+    try:
+        run(collect(eng, request(eng, TEXT[:300])))
+        run(eng.call(lambda engine: engine.store.flush()))  # SSD writes happen behind the request
+        stats = run(eng.clear_cache("ram"))
+        assert stats["ram"]["entries"] == 0
+        events = run(collect(eng, request(eng, TEXT[:300])))[1]
+        assert events[-1].usage.cache_tier == "ssd"
+        run(eng.clear_cache("all"))
+        events = run(collect(eng, request(eng, TEXT[:300] + " more")))[1]
+        assert events[-1].usage.cached_tokens == 0
+    finally:
+        run(eng.shutdown())
