@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -29,6 +30,8 @@ class CacheConfig:
     quantize_min_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if self.ssd_dir is not None:  # "~/.cache/..." in YAML means the serving user's home
+            object.__setattr__(self, "ssd_dir", os.path.expanduser(self.ssd_dir))
         if self.ram_bytes is not None and self.ram_bytes < 0:
             raise ValueError("cache.ram_bytes must be >= 0")
         if not 0.0 <= self.ram_fraction <= 0.9:
