@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from cache_tiers.store import NullStore, PrefixStore
 from engine.config import EngineConfig
+from engine.memory import MemoryAccount, kv_bytes_per_token
 from engine.runner import Generated, PromptProgress, Runner
 from engine.sampling import make_decoding, top_logprobs
 from engine.scheduler import BatchView, Scheduler
@@ -38,6 +39,9 @@ class Engine:
         self._eos = sorted(tokenizer.eos_token_ids)
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
+        self.memory: MemoryAccount | None = None
+        if config.memory_budget_bytes is not None:
+            self.memory = MemoryAccount(config.memory_budget_bytes, kv_bytes_per_token(model), self.store)
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -73,19 +77,27 @@ class Engine:
     def view(self) -> BatchView:
         prefilling = [s for s in self.seqs.values() if s.status is RequestStatus.PREFILLING]
         lefts = [s.prefill_left for s in prefilling]
+        kv_free = None if self.memory is None else self.memory.free_tokens(self._reserved_tokens())
         return BatchView(
             running=len(self.runner),
             prefilling=len(prefilling),
             prefill_tokens_left=sum(lefts),
             prefill_min_left=min(lefts, default=0),
             prefill_max_left=max(lefts, default=0),
+            kv_tokens_free=kv_free,
         )
+
+    def _reserved_tokens(self) -> int:
+        return sum(s.prompt_len + s.request.params.max_tokens for s in self.seqs.values()
+                   if s.status is not RequestStatus.WAITING)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         events = self._expire()
         for request in self.scheduler.schedule(self.view()).admit:
             events += self._admit(self.seqs[request.request_id])
+        if self.memory is not None:
+            self.memory.rebalance(self._reserved_tokens())
         decoding = any(s.status is RequestStatus.DECODING for s in self.seqs.values())
         started = time.perf_counter()
         try:

@@ -32,6 +32,7 @@ class BatchView:
     prefill_tokens_left: int = 0  # prompt tokens still to prefill, summed
     prefill_min_left: int = 0  # the shortest remaining prompt among those prefilling
     prefill_max_left: int = 0
+    kv_tokens_free: int | None = None  # None: no memory account; else tokens that may be reserved
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Scheduler:
         admitted: list[Request] = []
         running, prefilling = view.running, view.prefilling
         tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
+        kv_free = view.kv_tokens_free
         while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
             head = self._heap[0].request
             if head.request_id in self._cancelled:
@@ -94,12 +96,17 @@ class Scheduler:
             size = len(head.prompt_tokens)
             if prefilling and not self._fits(size, tokens, shortest, longest):
                 break  # FCFS / priority order: the head waits rather than being overtaken
+            reserve = size + head.params.max_tokens
+            if kv_free is not None and reserve > kv_free and running > 0:
+                break  # not enough memory; running requests finishing will free it
             heapq.heappop(self._heap)
             self._ids.discard(head.request_id)
             admitted.append(head)
             running, prefilling, tokens = running + 1, prefilling + 1, tokens + size
             shortest = size if shortest == 0 else min(shortest, size)
             longest = max(longest, size)
+            if kv_free is not None:
+                kv_free -= reserve
         return SchedulerOutput(tuple(admitted))
 
     def _fits(self, size: int, tokens: int, shortest: int, longest: int) -> bool:

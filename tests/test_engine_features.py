@@ -119,3 +119,46 @@ def test_clear_cache_tiers(tiny_model_dir, tmp_path):
         assert events[-1].usage.cached_tokens == 0
     finally:
         run(eng.shutdown())
+
+
+def test_memory_account_cache_gives_way_before_requests_wait(tiny_model_dir, tmp_path):
+    from engine.memory import kv_bytes_per_token
+    from engine_helpers import tiny_loader
+
+    bpt = kv_bytes_per_token(tiny_loader(tiny_model_dir)(None).model)
+    budget_tokens = 4000
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=store_config(tmp_path),
+                      memory_budget_bytes=budget_tokens * bpt)
+    try:
+        run(collect(eng, request(eng, TEXT[:1200], max_tokens=2)))  # ~280 tokens cached in RAM
+        run(eng.call(lambda engine: engine.store.flush()))
+        assert eng.stats()["cache"]["ram"]["bytes"] > 0
+
+        async def scenario():
+            import asyncio
+
+            # two requests reserving ~1,910 tokens each fit beside each other only if the cache
+            # gives up its RAM; a third must wait.
+            gens = [eng.generate(request(eng, "hello world", max_tokens=1900, request_id=f"m{i}"))
+                    for i in range(3)]
+            firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+            await asyncio.wait(firsts[:2])
+            await asyncio.sleep(0.3)
+            status = {s["id"]: s["phase"] for s in await eng.requests_status()}
+            stats = eng.stats()
+            for i in range(3):
+                eng.abort(f"m{i}")
+            for g, f in zip(gens, firsts):
+                await f
+                async for _ in g:
+                    pass
+            return status, stats
+
+        status, stats = run(scenario())
+        assert status["m0"] == "decode" and status["m1"] == "decode" and status["m2"] == "queued"
+        ram = stats["cache"]["ram"]
+        assert ram["budget_bytes"] <= (budget_tokens - 2 * 1900) * bpt
+        assert ram["bytes"] <= ram["budget_bytes"]
+        assert stats["cache"]["ssd"]["demotions"] >= 1 or ram["evictions"] >= 1
+    finally:
+        run(eng.shutdown())

@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.scheduler import BatchView, Scheduler
-from engine.types import OverloadedError, Request
+from engine.types import OverloadedError, Request, SamplingParams
 
 
 def req(n: int, rid: str, priority: int = 0, t: float = 0.0) -> Request:
@@ -94,3 +94,14 @@ def test_duplicate_id_refused():
     s.add_request(req(5, "x"))
     with pytest.raises(ValueError):
         s.add_request(req(5, "x"))
+
+
+def test_memory_account_keeps_request_waiting_until_it_fits():
+    s = Scheduler(EngineConfig())
+    s.add_request(Request((1,) * 50, SamplingParams(max_tokens=50), request_id="a", arrival_time=0))
+    s.add_request(Request((1,) * 50, SamplingParams(max_tokens=50), request_id="b", arrival_time=1))
+    # 150 tokens of KV free: the first (100) fits, the second does not while the first runs
+    assert ids(s.schedule(BatchView(kv_tokens_free=150))) == ["a"]
+    assert ids(s.schedule(BatchView(running=1, kv_tokens_free=50))) == []
+    # with nothing running, one request always starts (it could never start otherwise)
+    assert ids(s.schedule(BatchView(running=0, kv_tokens_free=10))) == ["b"]
