@@ -101,6 +101,11 @@ class RamTier:
         self._enforce_budget()
         return "kept"
 
+    def recent_tokens(self, limit: int) -> list[np.ndarray]:
+        """Token ids of up to `limit` entries, most recently used first: what a request router
+        needs to know this replica holds (the routing stats report their block hashes)."""
+        return [rec.snap.tokens for rec in itertools.islice(reversed(self._lru.values()), max(0, limit))]
+
     def unpersisted(self) -> list[Snapshot]:
         """Entries never handed to the SSD (flushed there at close so a restart finds them)."""
         return [r.snap for r in self._lru.values() if not r.persisted]

@@ -100,6 +100,12 @@ class TieredStore:
         if self.ssd is not None and self.ssd.offer(snap):
             self.ssd.counters.demotions += 1
 
+    def held_prefixes(self, limit: int = 256) -> list[np.ndarray]:
+        """Token ids of the most recently used RAM entries (cache-affinity routing reports them).
+        SSD entries are not listed: enumerating the disk index is slow, and an SSD hit is promoted
+        to RAM, so what is in use shows up here after its first hit."""
+        return self.ram.recent_tokens(limit)
+
     def set_ram_budget(self, budget_bytes: int) -> None:
         """Shrink or grow the RAM tier at run time (one memory account with running KV state):
         entries over the new budget are evicted least-recent first and demoted to the SSD."""

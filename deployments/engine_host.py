@@ -130,15 +130,23 @@ class EngineHost:
         finally:
             await _close_quietly(batches)
 
-    def routing_stats(self) -> dict[str, Any]:
-        """Published to request routers. `prefix_blocks` is the seam for a cache-affinity router."""
+    async def routing_stats(self) -> dict[str, Any]:
+        """Published to request routers (deployments/router.py): load, and the prefix blocks held."""
         stats = self.engine.stats()
         return {"waiting": int(stats.get("waiting", 0)), "running": int(stats.get("running", 0)),
-                "prefix_blocks": self.prefix_blocks()}
+                "block_size": self.config.cache.block_size, "prefix_blocks": await self.prefix_blocks()}
 
-    def prefix_blocks(self) -> list[str]:
-        """Hashes of cached prefix blocks; empty until the prefix store exposes them."""
-        return []
+    async def prefix_blocks(self) -> list[str]:
+        """Block hashes (deployments/fleet_keys.py) of what the prefix store's RAM tier holds.
+        The store lives on the MLX thread, so its entries are listed there; hashing runs here."""
+        from deployments.fleet_keys import MAX_REPORTED_ENTRIES, held_hashes
+
+        if not self.engine.ready or not hasattr(self.engine, "call"):
+            return []  # still loading, or a test double without an MLX thread
+        entries = await self.engine.call(lambda e: list(e.store.held_prefixes(MAX_REPORTED_ENTRIES))
+                                         if hasattr(e.store, "held_prefixes") else [])  # NullStore: none
+        return held_hashes(entries, self.config.cache.block_size)
+
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()

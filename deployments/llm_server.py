@@ -52,8 +52,8 @@ class LLMServer:
     def stats(self) -> dict[str, Any]:
         return self._host.stats()
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self._host.routing_stats()
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return await self._host.routing_stats()
 
     async def check_health(self) -> None:
         await self._host.check_health()
