@@ -6,6 +6,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.fleet import with_fleet_options
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 from deployments.settings import AppSettings
@@ -20,6 +21,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                                        ray_actor_options=llm.actor_options(settings.llm_env_vars()))
     if llm.max_replicas_per_node:
         llm_options["max_replicas_per_node"] = llm.max_replicas_per_node
+    llm_options = with_fleet_options(llm_options, settings.fleet, settings.engine.cache.block_size)
     server = LLMServer.options(**llm_options).bind(settings)
     return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
                            ray_actor_options=ing.actor_options()).bind(server, settings)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from engine.config import EngineConfig
 
+from deployments.fleet_settings import FleetSettings
 from deployments.openai_types import Limits
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
@@ -73,6 +74,7 @@ class AppSettings:
     engine: EngineConfig = EngineConfig()
     llm_server: ReplicaSettings = ReplicaSettings()
     ingress: ReplicaSettings = ReplicaSettings()
+    fleet: FleetSettings = FleetSettings()  # routing over replicas and autoscaling (deployments/fleet.py)
     blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
     drain_s: float = 30.0
 
@@ -87,6 +89,7 @@ class AppSettings:
         values["llm_server"] = ReplicaSettings.from_dict(
             values.get("llm_server"), "llm_server", num_cpus=2.0, resources={APPLE_SILICON_RESOURCE: 1.0})
         values["ingress"] = ReplicaSettings.from_dict(values.get("ingress"), "ingress", num_cpus=0.0)
+        values["fleet"] = FleetSettings.from_dict(values.get("fleet"))
         keys = values.get("api_keys") or ()
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
             raise ValueError("api_keys must be a list of non-empty strings")
