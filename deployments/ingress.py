@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 
 from deployments.engine_host import load_tokenizer
 from deployments.errors import ApiError, overloaded, server_error, unavailable
+from deployments.fleet_failover import retry_before_first
 from deployments.http_app import OpenAIServer
 from deployments.settings import AppSettings
 
@@ -38,6 +39,14 @@ class HandleBackend:
 
     async def stream(self, prompt_tokens: list[int], params: dict[str, Any],
                      request_id: str) -> AsyncIterator[Any]:
+        """A replica that dies before the first event is replaced once (deployments/fleet_failover.py)."""
+        async for item in retry_before_first(
+                lambda attempt: self._stream_once(prompt_tokens, params,
+                                                  request_id if not attempt else f"{request_id}-retry{attempt}")):
+            yield item
+
+    async def _stream_once(self, prompt_tokens: list[int], params: dict[str, Any],
+                           request_id: str) -> AsyncIterator[Any]:
         responses = self._streaming.generate.remote(prompt_tokens, params, request_id)
         finished = False
         try:
