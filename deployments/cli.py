@@ -22,6 +22,8 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
                    help="Ray cluster auth (default: $RAY_AUTH_MODE, else disabled); use token on shared networks")
     p.add_argument("--temp-dir", help="Ray's session directory (default: Ray's)")
     p.add_argument("--host-name", help="name for this host's pomona_host_<name> resource (default: hostname)")
+    p.add_argument("--port-base", type=int,
+                   help="put every Ray port of this node at PORT_BASE..PORT_BASE+199 (several nodes on one machine)")
     p.add_argument("--dry-run", action="store_true", help="print the `ray start` command instead of running it")
 
 
@@ -48,7 +50,7 @@ def options(args: argparse.Namespace) -> node.NodeOptions:
         dev_apple_silicon=args.dev_apple_silicon, num_cpus=args.num_cpus,
         object_store_memory=args.object_store_memory, memory=args.memory,
         port=getattr(args, "port", node.DEFAULT_PORT), node_ip_address=args.node_ip_address,
-        auth=args.auth, temp_dir=args.temp_dir, host_name=args.host_name)
+        auth=args.auth, temp_dir=args.temp_dir, host_name=args.host_name, port_base=args.port_base)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

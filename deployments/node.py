@@ -43,6 +43,7 @@ class NodeOptions:
     auth: str | None = None  # "token" or "disabled"; None: $RAY_AUTH_MODE, else "disabled"
     temp_dir: str | None = None
     host_name: str | None = None
+    port_base: int | None = None  # private ports from here on (several nodes or clusters on one machine)
 
     def __post_init__(self) -> None:
         if self.head == bool(self.address):
@@ -102,7 +103,19 @@ def ray_start_command(opts: NodeOptions, ray: str = "ray", apple: bool | None = 
         cmd.append(f"--node-ip-address={opts.node_ip_address}")
     if opts.temp_dir:
         cmd.append(f"--temp-dir={opts.temp_dir}")
+    if opts.port_base:
+        cmd += private_ports(opts.port_base, opts.head)
     return cmd
+
+
+def private_ports(base: int, head: bool) -> list[str]:
+    """Every port a node listens on, from `base` up: Ray's fixed defaults (client server 10001,
+    dashboard agent 52365, ...) would collide between two nodes, or two clusters, on one machine."""
+    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+             "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"]
+    flags = [f"{flag}={base + 2 + i}" for i, flag in enumerate(ports)]
+    flags += [f"--min-worker-port={base + 100}", f"--max-worker-port={base + 199}"]
+    return flags + ([f"--ray-client-server-port={base + 1}"] if head else [])
 
 
 def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

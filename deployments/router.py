@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import random
+import time
 from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -34,6 +35,7 @@ log = logging.getLogger("pomona.router")
 DEFAULT_BLOCK_SIZE = 64  # engine.cache.block_size's default; replaced by what replicas report
 REMEMBERED_PER_REPLICA = 4096  # hashes this router remembers sending to each replica
 MAX_PENDING = 10_000  # requests chosen for but not yet routed (bounds memory if callbacks are lost)
+SUSPECT_S = 15.0  # a replica that could not be reached is avoided this long (its node may be gone)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -47,10 +49,12 @@ class PrefixAffinityRouter(RequestRouter):
         self._remembered: dict[ReplicaID, collections.OrderedDict[str, None]] = {}
         self._reported: dict[ReplicaID, tuple[list[str], frozenset[str]]] = {}  # (the report, its set)
         self._pending: dict[str, list[str]] = {}  # internal request id -> prompt hashes
+        self._suspect: dict[ReplicaID, float] = {}  # replica -> monotonic time until it is trusted again
         self.decisions: collections.Counter[str] = collections.Counter()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+        candidate_replicas = self._reachable(candidate_replicas)
         if not candidate_replicas:
             return []
         hashes = self._prompt_hashes(candidate_replicas, pending_request)
@@ -82,6 +86,13 @@ class PrefixAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._forget(replica_id)
 
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        # Unreachable (its host may have died; Ray reports the death later): avoid it meanwhile,
+        # or affinity would keep sending its prefixes, and the ingress's one retry, to it.
+        super().on_replica_actor_unavailable(replica_id)
+        self._suspect[replica_id] = time.monotonic() + SUSPECT_S
+        self._remembered.pop(replica_id, None)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
@@ -90,6 +101,13 @@ class PrefixAffinityRouter(RequestRouter):
                 self._forget(replica_id)
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _reachable(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """Replicas not recently unreachable; all of them when every one is (better than none)."""
+        now = time.monotonic()
+        self._suspect = {k: until for k, until in self._suspect.items() if until > now}
+        trusted = [r for r in replicas if r.replica_id not in self._suspect]
+        return trusted or replicas
+
     def _prompt_hashes(self, replicas: list[RunningReplica], pending: Optional[PendingRequest]) -> list[str]:
         if pending is None:
             return []
@@ -136,3 +154,4 @@ class PrefixAffinityRouter(RequestRouter):
         self._remembered.pop(replica_id, None)
         self._reported.pop(replica_id, None)
         self._inflight.pop(replica_id, None)
+        self._suspect.pop(replica_id, None)
