@@ -95,8 +95,9 @@ def ray_start_command(opts: NodeOptions, ray: str = "ray", apple: bool | None = 
     cmd = [ray, "start", f"--num-cpus={opts.num_cpus or os.cpu_count() or 1}",
            f"--object-store-memory={opts.object_store_memory or object_store_size(memory)}",
            f"--resources={json.dumps(resources(opts, apple), sort_keys=True)}",
-           "--include-dashboard=false", "--disable-usage-stats"]
-    cmd += ["--head", f"--port={opts.port}"] if opts.head else [f"--address={opts.address}"]
+           "--disable-usage-stats"]
+    # `ray start` refuses --include-dashboard on a joining node ("only ... with --head").
+    cmd += ["--head", f"--port={opts.port}", "--include-dashboard=false"] if opts.head else [f"--address={opts.address}"]
     if opts.memory:
         cmd.append(f"--memory={opts.memory}")
     if opts.node_ip_address:
