@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from mlx_lm.generate import BatchGenerator
 
@@ -26,8 +26,7 @@ class PromptProgress:
     end_of_prompt: bool
 
 
-@dataclass(frozen=True)
-class Generated:
+class Generated(NamedTuple):  # a tuple, not a frozen dataclass: one per token, built every step
     request_id: str
     token: int
     logprobs: Any  # mx.array over the vocabulary
