@@ -698,6 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also run instrumented bare and engine passes (for these --concurrency items; default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (GIL hand-over), seconds")
+    p.add_argument("--length-group-ratio", type=float,
+                   help="experiment: override engine.scheduler.LENGTH_GROUP_RATIO (prompts prefilled together)")
     p.add_argument("--json", help="write results here (default $OUT/device_bench.json when OUT is set)")
     cfg = p.parse_args(argv)
 
@@ -727,6 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.switch_interval is not None:
         sys.setswitchinterval(cfg.switch_interval)
     env["switch_interval_s"] = sys.getswitchinterval()
+    if cfg.length_group_ratio is not None:
+        import engine.scheduler
+
+        engine.scheduler.LENGTH_GROUP_RATIO = cfg.length_group_ratio
+        env["length_group_ratio"] = cfg.length_group_ratio
     print(f"# {params / 1e6:,.1f}M-parameter random llama, {dtype}, on {env['device']}; mlx {env['mlx']}, "
           f"mlx-lm {env['mlx_lm']}; built in {pc() - t_start:.1f} s", flush=True)
 
