@@ -42,5 +42,5 @@ run 1 (carry ["$DIR/a"]):
   mkdir -p /root/stash && cp $DIR/a/* /root/stash/ && ls -l /root/stash && nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv
 
 run 2 (carry ["$DIR/b"]), within 30 s of run 1:
-  set -o pipefail; R=\$PWD; cat /root/stash/part.aa \$R/$DIR/b/part.ab > /tmp/$CUDA_WHL && (cd /tmp && sha256sum -c \$R/$DIR/b/cuda.sha256) && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/$CUDA_WHL /root/stash/mlx-0.32.4-*.whl \$R/$DIR/b/mlx_lm-*.whl && cd \$R/$DIR/b/src && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m benchmarks.device_bench --repeats 3 --profile 2>&1 | tee \$OUT/device_bench.log
+  set -o pipefail; R=\$PWD; cat /root/stash/part.aa \$R/$DIR/b/part.ab > /tmp/$CUDA_WHL && (cd /tmp && sha256sum -c \$R/$DIR/b/cuda.sha256) && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/$CUDA_WHL /root/stash/mlx-0.32.4-*.whl \$R/$DIR/b/mlx_lm-*.whl && cd \$R/$DIR/b/src && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m benchmarks.device_bench --repeats 2 --profile 2>&1 | tee \$OUT/device_bench.log
 EOF
