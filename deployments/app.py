@@ -19,6 +19,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     llm, ing = settings.llm_server, settings.ingress
     llm_options: dict[str, Any] = dict(num_replicas=llm.num_replicas, max_ongoing_requests=llm.max_ongoing_requests,
                                        ray_actor_options=llm.actor_options(settings.llm_env_vars()))
+    # Serve kills a replica this long after asking it to stop: room for the drain plus the SSD flush.
+    llm_options["graceful_shutdown_timeout_s"] = settings.drain_s + 30
     if llm.max_replicas_per_node:
         llm_options["max_replicas_per_node"] = llm.max_replicas_per_node
     llm_options = with_fleet_options(llm_options, settings.fleet, settings.engine.cache.block_size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
@@ -36,6 +37,7 @@ def event_to_wire(event: TokenEvent) -> dict[str, Any]:
             "prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens,
             "cached_tokens": event.usage.cached_tokens, "cache_tier": event.usage.cache_tier},
         "error": event.error,
+        "code": event.error_code,  # "timeout", "reset", ...: the ingress picks the HTTP status from it
     }
 
 
@@ -147,7 +149,6 @@ class EngineHost:
                                          if hasattr(e.store, "held_prefixes") else [])  # NullStore: none
         return held_hashes(entries, self.config.cache.block_size)
 
-
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         stats["openblas"] = openblas_loaded()
@@ -158,6 +159,26 @@ class EngineHost:
         if not self.engine.ready:
             raise RuntimeError("the engine is not ready")
         await asyncio.wait_for(self.engine.call(lambda engine: None), HEALTH_PROBE_TIMEOUT_S)
+
+    async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
+        """Status and cache administration for deployments/admin.py; tagged with this replica's pid."""
+        engine = self.engine
+        if action == "requests":
+            result: dict[str, Any] = {"requests": await engine.requests_status()}
+        elif action == "cache":
+            result = {"cache": await engine.call(lambda e: e.store.stats())}
+        elif action == "clear":
+            result = {"cache": await engine.clear_cache(tier)}
+        elif action == "flush":
+            # Wait for the SSD writer off the MLX thread: decoding goes on meanwhile.
+            store = await engine.call(lambda e: e.store)
+            await asyncio.to_thread(getattr(store, "flush", lambda: None))
+            result = {"cache": await engine.call(lambda e: e.store.stats())}
+        elif action == "reset":
+            result = {"failed_requests": await engine.deep_reset()}
+        else:
+            raise ValueError(f"unknown admin action {action!r}")
+        return {"replica": {"pid": os.getpid(), "host": socket.gethostname()}, **result}
 
     async def shutdown(self, drain_s: float) -> None:
         await self.engine.shutdown(drain_s=drain_s)

@@ -56,3 +56,8 @@ def unavailable(message: str, retry_after_s: int = 2) -> ApiError:
 
 def server_error(message: str, code: str | None = "internal_error") -> ApiError:
     return ApiError(500, message, "server_error", None, code)
+
+
+def timed_out(message: str) -> ApiError:
+    """engine.request_timeout_s ran out: 504, as from a gateway whose upstream took too long."""
+    return ApiError(504, message, "timeout_error", None, "timeout")

@@ -28,10 +28,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deployments import openai_types as oa
+from deployments.admin import AdminRoutes
 from deployments.engine_host import sampling_to_wire
 from deployments.errors import (ApiError, invalid, not_found, overloaded, server_error, too_large, unauthorized,
                                  unavailable)
 from deployments.metrics import IngressMetrics
+from deployments.openapi import openapi_route
 from deployments.settings import AppSettings
 from deployments.streaming import SSEResponse, Tracker, collect, sse_events
 
@@ -166,7 +168,9 @@ class OpenAIServer:
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.metrics_route, methods=["GET"])]
+                  Route("/metrics", self.metrics_route, methods=["GET"]),
+                  openapi_route(self.settings.limits, self.settings.engine.max_tokens_limit, self.model_name)]
+        routes += AdminRoutes(self.backend, self.settings.llm_server.num_replicas, self.metrics).routes()  # type: ignore[arg-type]
         app = Starlette(routes=routes, lifespan=self._lifespan,
                         exception_handlers={HTTPException: self._http_error, Exception: self._crash})
         app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, metrics=self.metrics)

@@ -68,6 +68,14 @@ class HandleBackend:
     async def stats(self) -> dict[str, Any]:
         return await self._handle.stats.remote()
 
+    async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
+        """One replica's status or cache administration (deployments/admin.py fans out)."""
+        try:
+            return await self._handle.admin.remote(action, tier)
+        except (RayActorError, RayTaskError, BackPressureError, DeploymentUnavailableError,
+                ActorUnavailableError) as exc:
+            raise _ray_error(exc) from exc
+
 
 @serve.deployment(name="Ingress", max_ongoing_requests=2000)
 @serve.ingress()

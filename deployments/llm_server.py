@@ -55,6 +55,10 @@ class LLMServer:
     async def record_routing_stats(self) -> dict[str, Any]:
         return await self._host.routing_stats()
 
+    async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
+        """Per-request status and cache administration (deployments/admin.py asks every replica)."""
+        return await self._host.admin(action, tier)
+
     async def check_health(self) -> None:
         await self._host.check_health()
 

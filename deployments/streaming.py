@@ -13,12 +13,16 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from deployments import openai_types as oa
-from deployments.errors import ApiError, server_error, unavailable
+from deployments.errors import ApiError, server_error, timed_out, unavailable
 from deployments.metrics import IngressMetrics
 
 
-def finish_error(finish: str | None, error: str | None) -> ApiError | None:
+def finish_error(finish: str | None, error: str | None, code: str | None = None) -> ApiError | None:
     """An engine ending that the client must see as an error rather than a normal finish."""
+    if finish in ("error", "abort") and code == "timeout":
+        return timed_out(error or "The request ran past the server's time limit; ask for fewer tokens or retry.")
+    if finish in ("error", "abort") and code in ("reset", "shutdown"):
+        return unavailable(error or "The server reset or stopped while running this request; retry it.")
     if finish == "error":
         return server_error(error or "The server failed while generating; retrying the request is safe.",
                             code="generation_failed")
@@ -66,7 +70,7 @@ class Tracker:
         if final.get("finish"):
             self.finish = final["finish"]
             self.usage = dict(final.get("usage") or {})
-            self.error = finish_error(self.finish, final.get("error"))
+            self.error = finish_error(self.finish, final.get("error"), final.get("code"))
             self.metrics.usage(self.usage)
             self.metrics.e2e.observe(now - self.started)
         return text, lps

@@ -1,0 +1,128 @@
+"""The OpenAPI description the ingress publishes at `GET /openapi.json` (no Ray).
+
+Built from the configured limits, so a schema-driven client or fuzzer (tests/test_reliability_fuzz.py)
+sees the bounds this server enforces. Schemas stay within the subset JSON Schema draft 7 and
+OpenAPI 3.1 share (no `prefixItems`, no `$defs` across documents), so draft-7 tools read them too.
+The parser in openai_types.py stays the authority: the schema describes, the parser decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.types import MAX_LOGPROBS
+
+from deployments.openai_types import MAX_COMPLETION_LOGPROBS, MAX_SEED, ROLES, Limits
+
+JSON = "application/json"
+
+
+def _number(lo: float, hi: float) -> dict[str, Any]:
+    return {"type": "number", "minimum": lo, "maximum": hi}
+
+
+def sampling_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
+    """Fields chat and completions share."""
+    limit = min(limits.max_tokens or max_tokens, max_tokens)
+    stop_item = {"type": "string", "minLength": 1, "maxLength": 64}
+    return {
+        "model": {"type": "string", "minLength": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": limit},
+        "temperature": _number(0, 2), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": 1000}, "min_p": _number(0, 1),
+        "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2),
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
+        "stop": {"anyOf": [stop_item, {"type": "array", "items": stop_item, "maxItems": limits.max_stop}]},
+        "stream": {"type": "boolean"},
+        "user": {"type": "string", "maxLength": 256},
+        "ignore_eos": {"type": "boolean", "description": "vLLM-style extension: generate past end-of-sequence"},
+    }
+
+
+def chat_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"enum": sorted(ROLES)},
+                              "content": {"type": "string", "maxLength": 2000}}}
+    props = sampling_schema(limits, max_tokens)
+    props.update(messages={"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
+                 max_completion_tokens=props["max_tokens"], logprobs={"type": "boolean"},
+                 top_logprobs={"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
+    return {"type": "object", "required": ["model", "messages"], "properties": props}
+
+
+def completion_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
+    props = sampling_schema(limits, max_tokens)
+    props.update(prompt={"anyOf": [{"type": "string", "minLength": 1, "maxLength": 4000},
+                                   {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+                                    "maxItems": 512}]},
+                 logprobs={"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS})
+    return {"type": "object", "required": ["model", "prompt"], "properties": props}
+
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _responses(ok: str) -> dict[str, Any]:
+    err = {"content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {"200": {"description": ok}, "400": {"description": "invalid request", **err},
+            "401": {"description": "missing or wrong API key", **err},
+            "404": {"description": "unknown model", **err}, "413": {"description": "body too large", **err},
+            "429": {"description": "queue full: retry after Retry-After seconds", **err},
+            "503": {"description": "no model replica can serve yet", **err},
+            "504": {"description": "engine.request_timeout_s ran out", **err}}
+
+
+def _post(summary: str, schema: str) -> dict[str, Any]:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": _responses("a completion (JSON), or server-sent events with \"stream\": true")}}
+
+
+def _get(summary: str) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "JSON"}}}}
+
+
+def openapi_document(limits: Limits, max_tokens: int, model: str) -> dict[str, Any]:
+    admin_post = {"post": {"summary": "cache administration", "responses": {"200": {"description": "JSON"}}}}
+    clear = {"post": {"summary": "empty a prefix-cache tier", "parameters": [
+        {"name": "tier", "in": "query", "schema": {"enum": ["ram", "ssd", "all"]}}],
+        "responses": {"200": {"description": "cache stats after"}, "400": {"description": "unknown tier"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Pomona", "version": "1", "description": f"OpenAI-compatible API serving {model!r}."},
+        "components": {
+            "schemas": {"ChatCompletionRequest": chat_schema(limits, max_tokens),
+                        "CompletionRequest": completion_schema(limits, max_tokens), "Error": ERROR},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": _post("chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _post("text completion", "CompletionRequest"),
+            "/v1/models": _get("the served model"),
+            "/health": {"get": {"summary": "200 once a model replica serves, else 503", "security": [],
+                                "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+            "/metrics": _get("Prometheus text"),
+            "/admin/requests": _get("running and queued requests per replica"),
+            "/admin/cache": _get("prefix-cache statistics per replica"),
+            "/admin/cache/clear": clear,
+            "/admin/cache/flush": admin_post,
+            "/admin/reset": admin_post,
+        },
+    }
+
+
+def openapi_route(limits: Limits, max_tokens: int, model: str) -> Route:
+    """`GET /openapi.json`; built once, since limits do not change while the app runs."""
+    document = openapi_document(limits, max_tokens, model)
+
+    async def publish(request: Request) -> Response:
+        return JSONResponse(document)
+    return Route("/openapi.json", publish, methods=["GET"])
