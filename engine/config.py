@@ -50,6 +50,10 @@ class EngineConfig:
     max_batch_tokens: int = 8192  # token budget for prompts admitted into prefill at once
     prefill_chunk: int = 256  # prompt tokens per prefill step; bounds the stall of running decodes
     prefill_batch: int = 8  # prompts prefilled together (grouped by length)
+    # A short prompt joins a running prefill only within this length ratio (padding costs compute
+    # on a CPU); "auto" groups on the CPU backend and not on GPUs, where padding is nearly free but
+    # an extra prefill step costs a whole decode step. null: never group.
+    prefill_group_ratio: float | str | None = "auto"
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
@@ -71,6 +75,9 @@ class EngineConfig:
             raise ValueError("engine.checkpoint_every must be >= 1 or null")
         if self.prefill_batch > self.max_running:
             raise ValueError("engine.prefill_batch cannot exceed engine.max_running")
+        if self.prefill_group_ratio is not None and self.prefill_group_ratio != "auto" and (
+                not isinstance(self.prefill_group_ratio, (int, float)) or self.prefill_group_ratio < 1):
+            raise ValueError('engine.prefill_group_ratio must be a number >= 1, "auto" or null')
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
 

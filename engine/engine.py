@@ -32,7 +32,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
         self.runner = Runner(model, config)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
@@ -133,6 +133,8 @@ class Engine:
             if seq is None:
                 continue
             seq.prefill_done = p.done
+            if p.end_of_prompt:  # in the decode batch now: its prefill slot is free for the next prompt
+                seq.advance(RequestStatus.DECODING)
             if p.end_of_prompt and seq.prompt_len >= self._min_store:
                 self._offer(seq, self.runner.extract(seq.request_id), "prompt")
             elif not p.end_of_prompt and self._checkpoint_due(seq):

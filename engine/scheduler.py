@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.types import OverloadedError, Request
 
-LENGTH_GROUP_RATIO = 2.0  # a prompt joins a running prefill only within this length ratio
+CPU_GROUP_RATIO = 2.0  # "auto" on the CPU backend: a prompt joins a prefill within this length ratio
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,17 @@ class _Entry:
     request: Request = field(compare=False)
 
 
+def group_ratio(config: EngineConfig, on_cpu: bool) -> float | None:
+    ratio = config.prefill_group_ratio
+    if ratio == "auto":
+        return CPU_GROUP_RATIO if on_cpu else None
+    return None if ratio is None else float(ratio)
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_cpu: bool = True) -> None:
         self.config = config
+        self.group_ratio = group_ratio(config, on_cpu)
         self._heap: list[_Entry] = []
         self._order = itertools.count()
         self._cancelled: set[str] = set()
@@ -112,9 +120,11 @@ class Scheduler:
     def _fits(self, size: int, tokens: int, shortest: int, longest: int) -> bool:
         if tokens + size > self.config.max_batch_tokens:
             return False
+        if self.group_ratio is None:
+            return True
         chunk = self.config.prefill_chunk
         if longest > 2 * chunk:
             return True
         low = min(size, shortest or size, chunk)
         high = min(max(size, longest), chunk)
-        return high <= LENGTH_GROUP_RATIO * max(low, 1)
+        return high <= self.group_ratio * max(low, 1)

@@ -105,3 +105,15 @@ def test_memory_account_keeps_request_waiting_until_it_fits():
     assert ids(s.schedule(BatchView(running=1, kv_tokens_free=50))) == []
     # with nothing running, one request always starts (it could never start otherwise)
     assert ids(s.schedule(BatchView(running=0, kv_tokens_free=10))) == ["b"]
+
+
+def test_grouping_off_lets_short_prompt_join_padded_prefill():
+    s = Scheduler(EngineConfig(prefill_chunk=256, prefill_group_ratio=None))
+    s.add_request(req(20, "short"))
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=300, prefill_min_left=300, prefill_max_left=300)
+    assert ids(s.schedule(view)) == ["short"]
+
+
+def test_auto_grouping_only_on_cpu():
+    assert Scheduler(EngineConfig(), on_cpu=True).group_ratio == 2.0
+    assert Scheduler(EngineConfig(), on_cpu=False).group_ratio is None
