@@ -121,7 +121,9 @@ def test_affinity_keeps_cached_share(cluster, tiny_model_dir):
 
 def test_stopping_a_node_leaves_the_endpoint_serving(cluster):
     base, nodes = cluster
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    # Retries: the ingress's readiness poll may hit the dead replica once and answer 503 +
+    # Retry-After until its next poll (http_app); the openai client honours that.
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=4, timeout=60)
 
     async def inflight() -> list[str]:
         aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
