@@ -60,4 +60,4 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
     script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
     return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,
                       env={**blas_env(), "RAY_TMPDIR": ray_tmp}, ready_timeout_s=900.0,
-                      cleanup_marker=ray_tmp)
+                      cleanup_marker=ray_tmp, display=f"{shlex.join(ray_start)}\n{shlex.join(serve_run)}")

@@ -38,6 +38,11 @@ class ServerSpec:
     # Processes whose command line contains this string are ours (e.g. a Ray session directory made
     # for this run): daemons that left the process group are found by it and stopped by pid.
     cleanup_marker: str | None = None
+    display: str | None = None  # the command as a reader would type it (docs), when argv is a wrapper
+
+    @property
+    def command_text(self) -> str:
+        return self.display or " ".join(self.argv)
 
     @property
     def base_url(self) -> str:

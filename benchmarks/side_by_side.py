@@ -75,14 +75,17 @@ def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
     if why:
         print(f"[{name}] skipped: {why}", flush=True)
         return {"label": name, "skipped": why}
-    print(f"[{name}] starting: {' '.join(spec.argv)}", flush=True)
+    print(f"[{name}] starting: {spec.command_text}", flush=True)
+    load_before = os.getloadavg()[0]
     try:
         with launched(spec, out / "logs") as up_s:
             cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
             ready_s = up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
             print(f"[{name}] serving after {ready_s:.1f} s", flush=True)
             result = run_suite(cfg, suite, maker, name)
-            result.update(ready_s=ready_s, command=" ".join(spec.argv))
+            # The machine may be shared: the load around each server's run says how comparable they are.
+            result.update(ready_s=ready_s, command=spec.command_text,
+                          loadavg_1m_before=load_before, loadavg_1m_after=os.getloadavg()[0])
             return result
     except Exception as exc:  # noqa: BLE001 - one server failing must not lose the others' numbers
         print(f"[{name}] FAILED: {exc}", flush=True)
@@ -104,42 +107,68 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--out", default=f"benchmarks/results/side-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--docs", default="docs/benchmarks.md", help="page to regenerate ('' to skip)")
+    p.add_argument("--note", action="append", default=[], help="a line for the page's Notes (repeatable)")
+    p.add_argument("--from-results", default=None, metavar="JSON",
+                   help="re-render plots and docs from this results.json instead of measuring")
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Run the bare loop and every server; the returned dict is what results.json holds."""
     suite = quick_suite() if args.quick else full_suite()
     if args.concurrency:
         suite = replace(suite, concurrencies=tuple(int(x) for x in args.concurrency.split(",")))
     model_dir = benchmark_model_dir(args.model)
     out = Path(args.out).resolve()
     maker = TextMaker(model_dir)
-    results: dict[str, Any] = {}
-    bare: dict[str, Any] = {}
+    data: dict[str, Any] = {"command": command, "suite": asdict(suite), "model_dir": str(model_dir),
+                            "servers": {}, "bare_loop": {}}
     if not args.no_bare:
-        bare = run_bare(model_dir, args.quick, suite.concurrencies, out / "logs")
-        print(f"[bare loop] {json.dumps({c: round(b['output_throughput'], 1) for c, b in bare.items()})} tok/s")
+        data["bare_loop"] = run_bare(model_dir, args.quick, suite.concurrencies, out / "logs")
+        tok_s = {c: round(b["output_throughput"], 1) for c, b in data["bare_loop"].items()}
+        print(f"[bare loop] {json.dumps(tok_s)} tok/s", flush=True)
     for i, name in enumerate(args.servers.split(",")):
-        results[name] = run_server(name, model_dir, args.base_port + i, out, suite, maker)
-        write_json(out / "results.json", {"suite": asdict(suite), "model_dir": str(model_dir),
-                                          "servers": results, "bare_loop": bare})
+        data["servers"][name] = run_server(name, model_dir, args.base_port + i, out, suite, maker)
+        write_json(out / "results.json", data)  # after each server, so a crash keeps the others
+    return data
+
+
+def publish(data: dict[str, Any], out: Path, docs_path: str, extra_notes: Sequence[str]) -> None:
+    """Plots, the goals printed as ratios, and (unless docs_path is '') the docs page."""
+    results, bare = data["servers"], data["bare_loop"]
     plots = plot_sweep({**{k: v for k, v in results.items() if "sweep" in v},
                         **({"bare loop (no HTTP)": _bare_as_server(bare)} if bare else {})}, out)
     goals = all_goals(results, bare)
     for g in goals:
         ratio = "n/a" if g.ratio is None else f"{g.ratio:.2f}"
         print(f"{g.name}: {ratio} (target {g.target}; {g.detail})")
-    if args.docs:
-        from benchmarks import docs
+    if not docs_path:
+        return
+    from benchmarks import docs
 
-        command = "python -m benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
-        notes = [f"{k}: {v.get('skipped') or v.get('failed')}" for k, v in results.items()
-                 if "skipped" in v or "failed" in v]
-        page = docs.write(ROOT / args.docs, results=results, bare=bare, goals=goals, plots=plots,
-                          commands=[command.strip()] + [v["command"] for v in results.values() if "command" in v],
-                          model_dir=model_dir, suite=asdict(suite), notes=notes)
-        print(f"docs: {page}")
+    notes = [f"{k}: {v.get('skipped') or v.get('failed')}" for k, v in results.items()
+             if "skipped" in v or "failed" in v]
+    notes += [f"{k}: 1-minute load average {v['loadavg_1m_before']:.1f} before its run, "
+              f"{v['loadavg_1m_after']:.1f} after (this machine has {os.cpu_count()} cores)"
+              for k, v in results.items() if "loadavg_1m_before" in v]
+    commands = [data.get("command", "python -m benchmarks.side_by_side")]
+    commands += [v["command"] for v in results.values() if "command" in v]
+    page = docs.write(ROOT / docs_path, results=results, bare=bare, goals=goals, plots=plots,
+                      commands=commands, model_dir=Path(data["model_dir"]), suite=data["suite"],
+                      notes=[*notes, *extra_notes])
+    print(f"docs: {page}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.from_results:  # re-render plots and docs from an earlier run, measuring nothing
+        path = Path(args.from_results)
+        publish(json.loads(path.read_text()), path.parent, args.docs, args.note)
+        return 0
+    command = "python -m benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out).resolve()
+    data = measure(args, command.strip())
+    publish(data, out, args.docs, args.note)
     print(f"results: {out / 'results.json'}")
     return 0
 
