@@ -117,6 +117,12 @@ server reports in `usage.prompt_tokens_details.cached_tokens` (vllm-mlx reports 
 
 {markdown_table(header, rows)}
 
+## Multi-turn: TTFT p50 (ms) by turn
+Each turn resends the whole conversation (previous turns, the assistant's replies, a new message),
+so without prefix reuse TTFT grows with the turn number.
+
+{_turns_table(results)}
+
 ## Bare `BatchGenerator` loop (no HTTP, same prompts and lengths)
 {markdown_table(["concurrency", "requests", "out tok/s", "TTFT p50 ms"], bare_rows)}
 
@@ -131,6 +137,14 @@ server reports in `usage.prompt_tokens_details.cached_tokens` (vllm-mlx reports 
 ## Notes
 {chr(10).join(f"- {n}" for n in notes) or "- none"}
 """
+
+
+def _turns_table(results: Mapping[str, Any]) -> str:
+    per_server = {k: v["multiturn"]["ttft_p50_ms_by_turn"] for k, v in results.items()
+                  if isinstance(v.get("multiturn"), Mapping) and v["multiturn"].get("ttft_p50_ms_by_turn")}
+    turns = sorted({int(t) for by_turn in per_server.values() for t in by_turn})
+    rows = [[name, *(by_turn.get(str(t)) for t in turns)] for name, by_turn in per_server.items()]
+    return markdown_table(["server", *(f"turn {t + 1}" for t in turns)], rows)
 
 
 def _suite_text(suite: Mapping[str, Any]) -> str:

@@ -69,7 +69,7 @@ def test_cli_against_mlx_lm_server(mlx_lm_server: str, tiny_model_dir: Path, tmp
     out = tmp_path / "run"
     rc = serve_bench.main(["--server", f"mlx_lm={mlx_lm_server}", "--model", str(tiny_model_dir),
                            "--tokenizer", str(tiny_model_dir), "--quick", "--concurrency", "1,4",
-                           "--parts", "sweep,multiturn", "--out", str(out)])
+                           "--parts", "sweep,multiturn,rate", "--request-rate", "20", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     server = data["servers"]["mlx_lm"]
@@ -80,6 +80,8 @@ def test_cli_against_mlx_lm_server(mlx_lm_server: str, tiny_model_dir: Path, tmp
         assert agg["total_output_tokens"] == agg["completed"] * data["suite"]["random"]["output_len"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             assert set(agg[key]) == {"mean", "p50", "p95", "p99"}
+    rate = server["rates"]["20.0"]  # Poisson arrivals: same metrics, open loop
+    assert rate["errors"] == 0 and rate["request_rate"] == 20.0 and rate["completed"] > 0
     turns = server["multiturn"]["ttft_p50_ms_by_turn"]
     assert len(turns) == data["suite"]["multiturn"]["turns"]
     assert server["multiturn"]["cached_tokens"] > 0  # mlx_lm.server reuses the chat history
