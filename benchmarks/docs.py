@@ -123,6 +123,12 @@ so without prefix reuse TTFT grows with the turn number.
 
 {_turns_table(results)}
 
+## Where the CPU time went (all workloads of each server)
+CPU seconds from /proc: the server's own processes by name, and the whole machine (which also
+includes the benchmark client and anything else running). Capacity is wall time x cores.
+
+{_cpu_table(results)}
+
 ## Bare `BatchGenerator` loop (no HTTP, same prompts and lengths)
 {markdown_table(["concurrency", "requests", "out tok/s", "TTFT p50 ms"], bare_rows)}
 
@@ -137,6 +143,20 @@ so without prefix reuse TTFT grows with the turn number.
 ## Notes
 {chr(10).join(f"- {n}" for n in notes) or "- none"}
 """
+
+
+def _cpu_table(results: Mapping[str, Any]) -> str:
+    cores = os.cpu_count() or 1
+    rows = []
+    for name, r in results.items():
+        if "cpu_s_by_process" not in r:
+            continue
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["cpu_s_by_process"].items())[:6])
+        rows.append([name, r["wall_s"], r["wall_s"] * cores, r["cpu_s_machine"], r["cpu_s_server"], top])
+    if not rows:
+        return "(not recorded in this run)"
+    return markdown_table(["server", "wall s", "capacity CPU s", "machine CPU s", "server CPU s",
+                           "server processes (CPU s)"], rows)
 
 
 def _turns_table(results: Mapping[str, Any]) -> str:

@@ -96,9 +96,23 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         proc.wait(timeout=10)
 
 
+@dataclass(frozen=True)
+class Running:
+    """A started server: how long it took to answer, and how to find its processes."""
+
+    up_s: float
+    session: int
+    marker: str | None
+
+    def cpu(self) -> dict[str, float]:
+        from benchmarks.proc_cpu import cpu_by_process
+
+        return cpu_by_process(self.session, self.marker)
+
+
 @contextlib.contextmanager
-def launched(spec: ServerSpec, log_dir: Path) -> Iterator[float]:
-    """Start `spec`, wait until it answers, yield the seconds it took, stop it on exit."""
+def launched(spec: ServerSpec, log_dir: Path) -> Iterator[Running]:
+    """Start `spec`, wait until it answers, yield it, stop it (and what it spawned) on exit."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
@@ -108,7 +122,7 @@ def launched(spec: ServerSpec, log_dir: Path) -> Iterator[float]:
                                 cwd=spec.cwd, start_new_session=True)
         try:
             asyncio.run(wait_ready(spec.base_url, spec.ready_timeout_s, alive=lambda: proc.poll() is None))
-            yield time.perf_counter() - t0
+            yield Running(time.perf_counter() - t0, proc.pid, spec.cleanup_marker)
         except Exception as exc:
             tail = log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{spec.name} failed: {exc}\n--- log tail ({log_path}) ---\n{tail}") from exc

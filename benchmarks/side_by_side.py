@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from benchmarks.client import EndpointConfig, wait_serving
 from benchmarks.goals import all_goals
 from benchmarks.models import benchmark_model_dir
+from benchmarks.proc_cpu import diff, machine_cpu_seconds
 from benchmarks.pomona_server import pomona_server
 from benchmarks.report import plot_sweep
 from benchmarks.serve_bench import eos_extra_body, eos_ids_of, run_suite, write_json
@@ -69,7 +70,7 @@ def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir
 
 
 def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
-               maker: TextMaker) -> dict[str, Any]:
+               maker: TextMaker, parts: Sequence[str]) -> dict[str, Any]:
     spec = make_spec(name, model_dir, port, out)
     why = available(spec)
     if why:
@@ -78,14 +79,22 @@ def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
     print(f"[{name}] starting: {spec.command_text}", flush=True)
     load_before = os.getloadavg()[0]
     try:
-        with launched(spec, out / "logs") as up_s:
+        with launched(spec, out / "logs") as running:
             cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
-            ready_s = up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
+            ready_s = running.up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
             print(f"[{name}] serving after {ready_s:.1f} s", flush=True)
-            result = run_suite(cfg, suite, maker, name)
-            # The machine may be shared: the load around each server's run says how comparable they are.
-            result.update(ready_s=ready_s, command=spec.command_text,
+            cpu0, machine0, t0 = running.cpu(), machine_cpu_seconds(), time.perf_counter()
+            result = run_suite(cfg, suite, maker, name, parts=parts)
+            wall = time.perf_counter() - t0
+            # Where the machine's time went during the workloads: this server's processes by name,
+            # and everything else (the benchmark client, other people's jobs) as the remainder.
+            cpu = diff(running.cpu(), cpu0)
+            machine = machine_cpu_seconds() - machine0
+            result.update(ready_s=ready_s, command=spec.command_text, wall_s=wall,
+                          cpu_s_by_process=cpu, cpu_s_server=sum(cpu.values()), cpu_s_machine=machine,
                           loadavg_1m_before=load_before, loadavg_1m_after=os.getloadavg()[0])
+            print(f"[{name}] CPU s over {wall:.0f} s wall: server {sum(cpu.values()):.0f}, machine "
+                  f"{machine:.0f}; top: {dict(list(cpu.items())[:5])}", flush=True)
             return result
     except Exception as exc:  # noqa: BLE001 - one server failing must not lose the others' numbers
         print(f"[{name}] FAILED: {exc}", flush=True)
@@ -104,6 +113,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(ALL_SERVERS))
     p.add_argument("--concurrency", default=None, help="comma list overriding the suite's sweep")
     p.add_argument("--no-bare", action="store_true", help="skip the bare BatchGenerator loop")
+    p.add_argument("--parts", default="sweep,prefix,multiturn,rate", help="workloads to run (comma list)")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--out", default=f"benchmarks/results/side-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--docs", default="docs/benchmarks.md", help="page to regenerate ('' to skip)")
@@ -128,7 +138,8 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         tok_s = {c: round(b["output_throughput"], 1) for c, b in data["bare_loop"].items()}
         print(f"[bare loop] {json.dumps(tok_s)} tok/s", flush=True)
     for i, name in enumerate(args.servers.split(",")):
-        data["servers"][name] = run_server(name, model_dir, args.base_port + i, out, suite, maker)
+        data["servers"][name] = run_server(name, model_dir, args.base_port + i, out, suite, maker,
+                                           args.parts.split(","))
         write_json(out / "results.json", data)  # after each server, so a crash keeps the others
     return data
 
