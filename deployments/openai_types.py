@@ -233,7 +233,7 @@ def _message(item: Any, index: int) -> ChatMessage:
     if not isinstance(item, dict):
         raise invalid(f"'{where}' must be an object with \"role\" and \"content\".", param=where)
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or object role is unhashable: check type first
         raise invalid(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}.", param=f"{where}.role")
     if item.get("tool_calls") or item.get("function_call"):
         raise invalid(f"'{where}': tool calls are not supported.", param=f"{where}.tool_calls")

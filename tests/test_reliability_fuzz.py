@@ -1,0 +1,186 @@
+"""Bad input against the running server: the published OpenAPI schema drives a bounded hypothesis fuzz,
+unstructured bodies follow, and every configurable limit is enforced.
+
+`from_schema` covers the JSON Schema subset deployments/openapi.py emits (hypothesis-jsonschema
+0.23 does not run on current hypothesis); with `wild`, a field may instead get any JSON value, so
+bodies probe both sides of each bound.
+
+Budget: about 200 requests in all, each `max_tokens` <= 16 on a tiny model. Passing means no 5xx,
+no replica restart (same pid before and after), and the server still answers afterwards.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from deployments.http_app import ApiKeyMiddleware
+from deployments.metrics import IngressMetrics
+from e2e_helpers import tiny_args, wait_healthy
+from reliability_helpers import admin, auth, own_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+KEY = "sk-fuzz-0123"
+LIMITS = {"max_body_bytes": 4096, "max_prompt_tokens": 256, "max_tokens": 16, "max_stop": 2, "max_messages": 4}
+ROUTES = {"ChatCompletionRequest": "/v1/chat/completions", "CompletionRequest": "/v1/completions"}
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir):
+    args = tiny_args(tiny_model_dir, api_keys=[KEY], limits=LIMITS,
+                     engine={"max_running": 4, "prefill_batch": 4, "max_waiting": 64})
+    with own_cluster({"/": args}, apple_silicon=1) as url:
+        wait_healthy(url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base):
+    with httpx.Client(base_url=base, headers=auth(KEY), timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def openapi(http) -> dict:
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def replica_pid(base) -> int:
+    return admin(base, "cache", KEY)["data"][0]["replica"]["pid"]
+
+
+def check(r: httpx.Response) -> None:
+    """Never a 5xx; a refusal is OpenAI-shaped; a stream that started ends with [DONE]."""
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith("data: [DONE]") and '"server_error"' not in r.text
+
+
+def test_openapi_is_published_behind_the_key_with_the_configured_limits(base, openapi):
+    assert httpx.get(f"{base}/openapi.json").status_code == 401
+    assert {"/v1/chat/completions", "/v1/completions", "/admin/requests", "/admin/cache/clear"} <= set(openapi["paths"])
+    chat = openapi["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["max_tokens"]["maximum"] == LIMITS["max_tokens"]
+    assert chat["messages"]["maxItems"] == LIMITS["max_messages"]
+    assert chat["stop"]["anyOf"][1]["maxItems"] == LIMITS["max_stop"]
+
+
+@pytest.mark.parametrize("name", sorted(ROUTES))
+def test_schema_driven_fuzz(http, openapi, replica_pid, name):
+    schema = openapi["components"]["schemas"][name]
+    bodies = st.one_of(from_schema(schema), from_schema(schema, wild=0.2))
+    # Most examples name the served model, so they reach tokenization and the engine, not only the 404.
+    strategy = st.one_of(bodies, bodies.map(lambda b: {**b, "model": "tiny"}),
+                         bodies.map(lambda b: {**b, "model": "tiny", "stream": True}))
+
+    @FUZZ
+    @given(strategy)
+    def fuzz(body: dict) -> None:
+        check(http.post(ROUTES[name], json=body))
+    fuzz()
+    assert admin(str(http.base_url).rstrip("/"), "cache", KEY)["data"][0]["replica"]["pid"] == replica_pid
+
+
+def from_schema(schema: dict, wild: float = 0.0) -> st.SearchStrategy:
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "anyOf" in schema:
+        return st.one_of([from_schema(s, wild) for s in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "object":
+        return _object(schema, wild)
+    if kind == "array":
+        return st.lists(from_schema(schema["items"], wild), min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", 5), 8))
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 20), 40))
+    if kind == "integer":
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
+    if kind == "number":
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema)
+    if kind == "boolean":
+        return st.booleans()
+    return JSON_VALUES
+
+
+def _object(schema: dict, wild: float) -> st.SearchStrategy:
+    props, required = schema.get("properties", {}), set(schema.get("required", ()))
+
+    def field(name: str) -> st.SearchStrategy:
+        valid = from_schema(props[name], wild)
+        return st.one_of(valid, JSON_VALUES) if wild else valid
+
+    @st.composite
+    def build(draw: st.DrawFn) -> dict:
+        optional = sorted(set(props) - required)
+        names = sorted(required) + (draw(st.lists(st.sampled_from(optional), unique=True, max_size=6))
+                                    if optional else [])
+        return {name: draw(field(name)) for name in names}
+    return build()
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                           | st.text(max_size=8),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+                           max_leaves=12)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "stop", "stream", "stream_options", "logprobs",
+          "top_logprobs", "temperature", "seed", "n", "tools", "user", "ignore_eos"]
+
+
+@FUZZ
+@given(route=st.sampled_from(sorted(ROUTES.values())),
+       body=st.one_of(st.binary(max_size=64),
+                      st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6).map(
+                          lambda d: {"model": "tiny", **d})))
+def test_unstructured_fuzz(http, route, body):
+    if isinstance(body, bytes):
+        r = http.post(route, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(route, json=body)
+    check(r)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x " * 3000}, 413, None),
+    ({"prompt": [30] * 257}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 17}, 400, "max_tokens"),
+    ({"prompt": "hi", "stop": ["a", "b", "c"]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 5}, 400, "messages"),
+])
+def test_configured_limits_are_enforced(http, body, status, param):
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = http.post(route, json={"model": "tiny", **body})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_still_serving_after_the_fuzz(base, http, replica_pid):
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert admin(base, "cache", KEY)["data"][0]["replica"]["pid"] == replica_pid
+    assert admin(base, "requests", KEY)["data"][0]["requests"] == []
+
+
+def test_api_keys_are_compared_in_constant_time(monkeypatch):
+    """Every configured key is compared, always on equal-length digests, whether or not one matches."""
+    calls: list[tuple[int, int]] = []
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((len(a), len(b)))
+        return a == b
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    mw = ApiKeyMiddleware(lambda *a: None, keys=("k1", "key-two", "k3"), metrics=IngressMetrics())
+    for token, ok in [("k1", True), ("key-two", True), ("x" * 500, False), ("", False)]:
+        calls.clear()
+        assert mw.allowed(token) is ok
+        assert len(calls) == 3 and {pair for pair in calls} == {(32, 32)}
