@@ -34,6 +34,7 @@ from benchmarks.servers import (ROOT, ServerSpec, available, blas_env, launched,
 from benchmarks.workloads import Suite, TextMaker, full_suite, quick_suite
 
 ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
+OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
 
 def make_spec(name: str, model_dir: Path, port: int, run_dir: Path) -> ServerSpec:
@@ -63,7 +64,7 @@ def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir
     cmd = [sys.executable, "-m", "benchmarks.bare_loop", str(model_dir),
            "--concurrency", ",".join(map(str, concurrencies))] + (["--quick"] if quick else [])
     log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "bare_loop.log", "w") as log:
+    with open(log_dir / "bare_loop.log", "a") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
                               env={**os.environ, **blas_env()}, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,6 +141,10 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     for i, name in enumerate(args.servers.split(",")):
         data["servers"][name] = run_server(name, model_dir, args.base_port + i, out, suite, maker,
                                            args.parts.split(","))
+        if name == "pomona" and data["bare_loop"] and OVERHEAD_CONCURRENCY in suite.concurrencies:
+            # Bracket Pomona's run with a second bare run, so drift in the machine's load shows.
+            data["bare_loop_after_pomona"] = run_bare(model_dir, args.quick, [OVERHEAD_CONCURRENCY],
+                                                      out / "logs")
         write_json(out / "results.json", data)  # after each server, so a crash keeps the others
     return data
 
@@ -149,7 +154,7 @@ def publish(data: dict[str, Any], out: Path, docs_path: str, extra_notes: Sequen
     results, bare = data["servers"], data["bare_loop"]
     plots = plot_sweep({**{k: v for k, v in results.items() if "sweep" in v},
                         **({"bare loop (no HTTP)": _bare_as_server(bare)} if bare else {})}, out)
-    goals = all_goals(results, bare)
+    goals = all_goals(results, bare, data.get("bare_loop_after_pomona"))
     for g in goals:
         ratio = "n/a" if g.ratio is None else f"{g.ratio:.2f}"
         print(f"{g.name}: {ratio} (target {g.target}; {g.detail})")
