@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -23,7 +24,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def mlx_lm_server(tiny_model_dir: Path):
+def mlx_lm_server(tiny_model_dir: Path) -> Iterator[str]:
     import asyncio
 
     from benchmarks.client import wait_ready
