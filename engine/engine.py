@@ -228,6 +228,10 @@ class Engine:
         """A step failed: fail the requests in the batch, rebuild the batch, keep the queue."""
         log.exception("engine step failed; failing the running batch and rebuilding it")
         self.stats.faults += 1
+        # An exception inside an mx.compile'd function (mlx-lm's samplers are compiled with the
+        # global random state as an input) can leave a tracer in that state, which breaks every
+        # later compiled sample; reseeding restores a real one.
+        mx.random.seed(time.time_ns() % 2**32)
         events = []
         for request_id in self.runner.reset():
             seq = self.seqs.get(request_id)

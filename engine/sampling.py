@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
 from engine.types import SamplingParams
 
@@ -33,10 +33,28 @@ class Decoding:
     stop_sequences: StopSequences
 
 
+def _truncate(logprobs: mx.array, top_p: float, min_p: float, top_k: int) -> mx.array:
+    if 0.0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    # mlx-lm refuses top_k >= the vocabulary (inside a compiled function, which would poison the
+    # global random state); a top_k that large keeps every token anyway.
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
 @lru_cache(maxsize=256)
 def _shared_sampler(temperature: float, top_p: float, top_k: int, min_p: float) -> Sampler:
-    # Cached so that equal settings give the *same* object, which lets the batch sample in one call.
-    return make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0, min_p=min_p, top_k=top_k)
+    """Unseeded sampling from the global random state. Cached so that equal settings give the
+    *same* object, which lets the batch sample in one call."""
+
+    def sample(logprobs: mx.array) -> mx.array:
+        logprobs = _truncate(logprobs, top_p, min_p, top_k)
+        return mx.random.categorical(logprobs * (1.0 / temperature))
+
+    return sample
 
 
 def _seeded_sampler(params: SamplingParams) -> Sampler:
@@ -44,12 +62,7 @@ def _seeded_sampler(params: SamplingParams) -> Sampler:
     state = {"key": mx.random.key(params.seed)}
 
     def sample(logprobs: mx.array) -> mx.array:
-        if 0.0 < params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, params.min_p)
-        if params.top_k > 0:
-            logprobs = apply_top_k(logprobs, params.top_k)
+        logprobs = _truncate(logprobs, params.top_p, params.min_p, params.top_k)
         state["key"], sub = mx.random.split(state["key"])
         return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
 

@@ -76,6 +76,7 @@ _FINISH_STATUS = {
 }
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 16
 
 
@@ -123,8 +124,8 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(0.0 < self.repetition_penalty <= 10.0,
-               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(0.01 <= self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0,
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0,
@@ -141,7 +142,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, 1/temperature overflows float32 logits; such a temperature means argmax.
+        return self.temperature < GREEDY_BELOW
 
 
 _request_ids = itertools.count()

@@ -245,3 +245,33 @@ def test_request_timeout_ends_with_error(tiny_model_dir):
         assert "time limit" in events[-1].error
     finally:
         run(eng.shutdown())
+
+
+def test_top_k_beyond_vocabulary_keeps_every_token(engine):
+    text, events = run(collect(engine, request(engine, "hello", temperature=1.0, top_k=10**6, seed=5)))
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert text == run(collect(engine, request(engine, "hello", temperature=1.0, seed=5)))[0]
+
+
+def test_tiny_temperature_is_greedy(engine):
+    greedy = run(collect(engine, request(engine, "Berlin is")))[0]
+    assert run(collect(engine, request(engine, "Berlin is", temperature=1e-30)))[0] == greedy
+
+
+def test_engine_recovers_from_a_poisoned_random_state(engine):
+    """An exception inside a compiled mlx-lm sampler leaves a tracer in MLX's global random state;
+    the engine's fault recovery must restore it so later sampled requests work."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_k
+
+    def poison(_engine):
+        try:
+            apply_top_k(mx.zeros((1, 8)), 100)
+        except ValueError:
+            return True
+        return False
+
+    assert run(engine.call(poison))
+    outcomes = [run(collect(engine, request(engine, "hello", temperature=1.0)))[1][-1].finish_reason
+                for _ in range(3)]
+    assert outcomes[-1] is FinishReason.LENGTH and outcomes.count(FinishReason.ERROR) <= 1
