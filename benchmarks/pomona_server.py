@@ -30,6 +30,11 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
     for app in config.get("applications") or []:
         args = dict(app.get("args") or {})
         args["model"] = str(model_dir)
+        cache = ((args.get("engine") or {}).get("cache") or {})
+        if cache.get("ssd_dir"):
+            # Keep the SSD tier as configured, but empty: the default directory outlives runs, and an
+            # earlier run's entries would turn this run's "cold" prompts into SSD hits.
+            cache["ssd_dir"] = str(run_dir / "pomona-ssd-cache")
         app["args"] = args
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "pomona_serve_config.yaml"
