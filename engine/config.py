@@ -40,6 +40,8 @@ class CacheConfig:
             raise ValueError("cache.block_size must be >= 1")
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError("cache.quantize_bits must be 4, 8 or null")
+        if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports
+            raise ValueError("cache.quantize_group_size must be 32, 64 or 128")
 
 
 @dataclass(frozen=True)

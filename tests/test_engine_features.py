@@ -162,3 +162,46 @@ def test_memory_account_cache_gives_way_before_requests_wait(tiny_model_dir, tmp
         assert stats["cache"]["ssd"]["demotions"] >= 1 or ram["evictions"] >= 1
     finally:
         run(eng.shutdown())
+
+
+def test_quantized_prefix_entries_are_smaller_and_reused(tmp_path):
+    from tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "wide", hidden=128)  # head dim 32: mx.quantize's smallest group
+
+    def ram_bytes_after_one(bits):
+        cache = CacheConfig(ram_bytes=256 * 2**20, block_size=16, min_restore_tokens=8, quantize_bits=bits,
+                            quantize_group_size=32, quantize_min_tokens=32)
+        eng = make_engine(model_dir, store_factory=default_store, cache=cache)
+        try:
+            run(collect(eng, request(eng, TEXT[:600], max_tokens=4)))
+            held = eng.stats()["cache"]["ram"]["bytes"]
+            text, events = run(collect(eng, request(eng, TEXT[:600] + " again", max_tokens=8)))
+            return held, events[-1].usage
+        finally:
+            run(eng.shutdown())
+
+    full, _ = ram_bytes_after_one(None)
+    small, usage = ram_bytes_after_one(8)
+    assert small < 0.5 * full
+    assert usage.cache_tier == "ram" and usage.cached_tokens >= 100
+
+
+def test_bounded_kv_cache_is_stored_and_reused_only_at_exact_boundaries(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=store_config(tmp_path), max_kv_size=64)
+    try:
+        first_text, first = run(collect(eng, request(eng, TEXT[:300], max_tokens=80, logprobs=0)))
+        output = tuple(e.token_id for e in first)
+        prompt = tuple(eng.tokenizer.encode(TEXT[:300]))
+        # the next turn starts with everything the rotated cache covered: an exact-boundary hit
+        follow = prompt + output + tuple(eng.tokenizer.encode(" next"))
+        events = run(collect(eng, Request(follow, SamplingParams(max_tokens=4, temperature=0.0))))[1]
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert events[-1].usage.cached_tokens == len(prompt) + len(output)
+        # a prompt that diverges inside the rotated window cannot use it (no trimming a ring buffer)
+        other = prompt + output[:40] + tuple(eng.tokenizer.encode(" elsewhere"))
+        events = run(collect(eng, Request(other, SamplingParams(max_tokens=4, temperature=0.0))))[1]
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert events[-1].usage.cached_tokens < len(prompt) + 40
+    finally:
+        run(eng.shutdown())
