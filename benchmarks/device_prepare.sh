@@ -9,7 +9,7 @@
 #   benchmarks/device_prepare.sh [DIR]      # DIR defaults to .device_wheels (git-ignored here)
 #
 # Afterwards DIR/a holds part one + mlx; DIR/b holds part two + mlx-lm + DIR/b/src, the committed
-# tree (git archive HEAD) with the working tree's benchmarks/device_bench.py. The two `run` calls
+# tree (git archive HEAD) with the working tree's benchmarks/device_*.py. The two `run` calls
 # are printed at the end (docs/accelerators.md explains them).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -32,8 +32,8 @@ cp "$DIR"/mlx_lm-0.32.2-*.whl "$DIR/b/"
 
 rm -rf "$DIR/b/src" && mkdir -p "$DIR/b/src"
 git archive HEAD engine cache_tiers benchmarks/__init__.py tests pyproject.toml | tar -x -C "$DIR/b/src"
-cp benchmarks/device_bench.py "$DIR/b/src/benchmarks/"
-echo "HEAD $(git rev-parse HEAD) + working-tree device_bench.py" > "$DIR/b/src/REVISION"
+cp benchmarks/device_*.py "$DIR/b/src/benchmarks/"
+echo "HEAD $(git rev-parse HEAD) + working-tree benchmarks/device_*.py" > "$DIR/b/src/REVISION"
 du -sh "$DIR/a" "$DIR/b"
 
 cat <<EOF
