@@ -25,6 +25,8 @@ from engine.types import FinishReason, Request, RequestStatus, TokenEvent, Token
 
 log = logging.getLogger("pomona.engine")
 
+EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
+
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
@@ -36,6 +38,8 @@ class Engine:
         self.runner = Runner(model, config)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
+        self._prefilling: dict[str, Sequence] = {}  # admitted, prompt not yet fully processed
+        self._next_expiry = 0.0
         self._eos = sorted(tokenizer.eos_token_ids)
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
@@ -75,7 +79,7 @@ class Engine:
         return bool(self.seqs)
 
     def view(self) -> BatchView:
-        prefilling = [s for s in self.seqs.values() if s.status is RequestStatus.PREFILLING]
+        prefilling = [s for s in self._prefilling.values() if s.status is RequestStatus.PREFILLING]
         lefts = [s.prefill_left for s in prefilling]
         kv_free = None if self.memory is None else self.memory.free_tokens(self._reserved_tokens())
         return BatchView(
@@ -93,12 +97,15 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        events = self._expire()
-        for request in self.scheduler.schedule(self.view()).admit:
-            events += self._admit(self.seqs[request.request_id])
-        if self.memory is not None:
-            self.memory.rebalance(self._reserved_tokens())
-        decoding = any(s.status is RequestStatus.DECODING for s in self.seqs.values())
+        # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
+        # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
+        events = self._expire() if self._clock() >= self._next_expiry else []
+        if len(self.scheduler):
+            for request in self.scheduler.schedule(self.view()).admit:
+                events += self._admit(self.seqs[request.request_id])
+            if self.memory is not None:
+                self.memory.rebalance(self._reserved_tokens())
+        decoding = len(self.runner) > len(self._prefilling)
         started = time.perf_counter()
         try:
             prompts, generated = self.runner.step()
@@ -123,6 +130,7 @@ class Engine:
         seq.cached_tokens, seq.cache_tier = cached, (hit.tier if hit else None)
         seq.admitted_at = self._clock()
         seq.advance(RequestStatus.PREFILLING)
+        self._prefilling[seq.request_id] = seq
         self.stats.prompt_tokens_total += len(tokens)
         self.stats.cached_tokens_total += cached
         return []
@@ -135,6 +143,7 @@ class Engine:
             seq.prefill_done = p.done
             if p.end_of_prompt:  # in the decode batch now: its prefill slot is free for the next prompt
                 seq.advance(RequestStatus.DECODING)
+                self._prefilling.pop(seq.request_id, None)
             if p.end_of_prompt and seq.prompt_len >= self._min_store:
                 self._offer(seq, self.runner.extract(seq.request_id), "prompt")
             elif not p.end_of_prompt and self._checkpoint_due(seq):
@@ -192,6 +201,9 @@ class Engine:
                code: str | None = None) -> TokenEvent:
         seq.finish(reason)
         self.seqs.pop(seq.request_id, None)
+        self._prefilling.pop(seq.request_id, None)
+        if self.memory is not None:
+            self.memory.rebalance(self._reserved_tokens())  # finished requests give memory back
         self.stats.requests_finished[reason.value] += 1
         return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error, code)
 
@@ -214,6 +226,7 @@ class Engine:
 
     def _expire(self) -> list[TokenEvent]:
         now = self._clock()
+        self._next_expiry = now + EXPIRY_CHECK_S
         late = [s for s in self.seqs.values() if s.deadline is not None and now > s.deadline]
         events = []
         for seq in late:
