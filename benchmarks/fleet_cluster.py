@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from benchmarks.servers import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,17 +57,8 @@ def node_tree(temp_dir: str) -> list[int]:
 
 def stop_node(node: LocalNode, grace_s: float = 8.0) -> None:
     """SIGTERM, then SIGKILL, the node's own processes only."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = node_tree(node.temp_dir)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.2)
-            pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-        if not pids:
-            break
+    pids = node_tree(node.temp_dir)  # listed once: once stopped, its processes cannot be found by dir
+    terminate(lambda: [p for p in pids if Path(f"/proc/{p}").exists()], grace_s)
     shutil.rmtree(node.temp_dir, ignore_errors=True)
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from benchmarks.client import wait_ready
 
@@ -146,16 +146,21 @@ def _marked_pids(marker: str) -> list[int]:
     return pids
 
 
-def _stop_marked(marker: str, grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL, each process of this run that outlived its process group."""
+def terminate(list_pids: Callable[[], list[int]], grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, the processes `list_pids()` names, waiting `grace_s` after each."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _marked_pids(marker)
+        pids = list_pids()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline:
             time.sleep(0.2)
-            pids = _marked_pids(marker)
+            pids = [p for p in list_pids() if Path(f"/proc/{p}").exists()]
         if not pids:
             return
+
+
+def _stop_marked(marker: str, grace_s: float = 10.0) -> None:
+    """Stop each process of this run that outlived its process group."""
+    terminate(lambda: _marked_pids(marker), grace_s)
