@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up Pomona in ./.venv: the project (editable) with its dev extras. On Linux also Debian's
+# Set up Pomona in ./.venv: the project (editable) with its dev and benchmark extras. On Linux also Debian's
 # OpenBLAS, which the LLM server preloads: MLX's bundled reference BLAS is ~15x slower on the CPU.
 # Safe to run again: each step is skipped when already done.
 set -euo pipefail
@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,bench]"
 echo "setup: done. Next: . .venv/bin/activate && pomona node start --head && serve run serve_config.yaml"
 if [ "$(uname -s)" != "Darwin" ]; then
   echo "setup: (not a Mac: add --dev-apple-silicon to 'pomona node start' so the model server may run here)"
