@@ -43,6 +43,9 @@ class Engine:
         self._eos = sorted(tokenizer.eos_token_ids)
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
+        # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
+        # prefill to be cached rather than computing the same tokens alongside it.
+        self._share_tokens = None if isinstance(self.store, NullStore) else max(64, self._min_store)
         self.memory: MemoryAccount | None = None
         if config.memory_budget_bytes is not None:
             self.memory = MemoryAccount(config.memory_budget_bytes, kv_bytes_per_token(model), self.store)
@@ -89,6 +92,8 @@ class Engine:
             prefill_min_left=min(lefts, default=0),
             prefill_max_left=max(lefts, default=0),
             kv_tokens_free=kv_free,
+            prefilling_prompts=tuple(s.request.prompt_tokens for s in prefilling),
+            share_tokens=self._share_tokens,
         )
 
     def _reserved_tokens(self) -> int:

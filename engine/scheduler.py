@@ -33,6 +33,10 @@ class BatchView:
     prefill_min_left: int = 0  # the shortest remaining prompt among those prefilling
     prefill_max_left: int = 0
     kv_tokens_free: int | None = None  # None: no memory account; else tokens that may be reserved
+    # Prompts being prefilled, and how many leading tokens a waiting prompt must share with one of
+    # them to wait for its cached prefix instead of computing the same tokens again (None: no cache).
+    prefilling_prompts: tuple[tuple[int, ...], ...] = ()
+    share_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,15 @@ class Scheduler:
         running, prefilling = view.running, view.prefilling
         tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
         kv_free = view.kv_tokens_free
+        in_prefill, deferred = list(view.prefilling_prompts), []
         while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
             head = self._heap[0].request
             if head.request_id in self._cancelled:
                 heapq.heappop(self._heap)
                 self._cancelled.discard(head.request_id)
+                continue
+            if _shares_prefix(head.prompt_tokens, in_prefill, view.share_tokens):
+                deferred.append(heapq.heappop(self._heap))  # its prefix is cached when that prefill ends
                 continue
             size = len(head.prompt_tokens)
             if prefilling and not self._fits(size, tokens, shortest, longest):
@@ -113,8 +121,11 @@ class Scheduler:
             running, prefilling, tokens = running + 1, prefilling + 1, tokens + size
             shortest = size if shortest == 0 else min(shortest, size)
             longest = max(longest, size)
+            in_prefill.append(head.prompt_tokens)
             if kv_free is not None:
                 kv_free -= reserve
+        for entry in deferred:
+            heapq.heappush(self._heap, entry)
         return SchedulerOutput(tuple(admitted))
 
     def _fits(self, size: int, tokens: int, shortest: int, longest: int) -> bool:
@@ -128,3 +139,12 @@ class Scheduler:
         low = min(size, shortest or size, chunk)
         high = min(max(size, longest), chunk)
         return high <= self.group_ratio * max(low, 1)
+
+
+def _shares_prefix(prompt: tuple[int, ...], others: list[tuple[int, ...]], share: int | None) -> bool:
+    """Whether `prompt` starts with the same `share` tokens as a prompt being prefilled (and has
+    more after them: an identical prompt still gains, since all but its last token are reused)."""
+    if share is None or len(prompt) <= share:
+        return False
+    head = prompt[:share]
+    return any(len(other) >= share and other[:share] == head for other in others)

@@ -85,3 +85,20 @@ def test_ssd_tier_serves_after_restart(tiny_model_dir, tmp_path, cold_texts):
         assert events[-1].usage.cached_tokens >= 16
     finally:
         run(eng.shutdown())
+
+
+def test_concurrent_requests_sharing_a_prefix_compute_it_once(tiny_model_dir, tmp_path, cold_texts):
+    import asyncio
+
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=cache_config(tmp_path))
+    try:
+        async def both():
+            return await asyncio.gather(collect(eng, request(eng, LONG + "Who?", max_tokens=20)),
+                                        collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+
+        (who, who_events), (where, where_events) = run(both())
+        assert who == cold_texts["Who?"] and where == cold_texts["Where?"]
+        cached = sorted([who_events[-1].usage.cached_tokens, where_events[-1].usage.cached_tokens])
+        assert cached[0] == 0 and cached[1] >= len(eng.tokenizer.encode(LONG)) - 4
+    finally:
+        run(eng.shutdown())

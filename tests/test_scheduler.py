@@ -117,3 +117,25 @@ def test_grouping_off_lets_short_prompt_join_padded_prefill():
 def test_auto_grouping_only_on_cpu():
     assert Scheduler(EngineConfig(), on_cpu=True).group_ratio == 2.0
     assert Scheduler(EngineConfig(), on_cpu=False).group_ratio is None
+
+
+def test_prompt_sharing_a_prefix_in_prefill_waits_for_its_cache_others_go_ahead():
+    s = Scheduler(EngineConfig(prefill_chunk=4096, max_batch_tokens=100_000))
+    shared = tuple(range(1, 201))
+    s.add_request(Request(shared + (7, 8), request_id="sibling", arrival_time=0))
+    s.add_request(Request(tuple(range(500, 700)), request_id="unrelated", arrival_time=1))
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=210, prefill_min_left=210,
+                     prefill_max_left=210, prefilling_prompts=(shared + (9,),), share_tokens=64)
+    assert ids(s.schedule(view)) == ["unrelated"]
+    assert len(s) == 1
+    # once that prefill is over (its prefix cached), the sibling starts
+    assert ids(s.schedule(BatchView(running=2, share_tokens=64))) == ["sibling"]
+
+
+def test_siblings_arriving_together_are_not_prefilled_twice():
+    s = Scheduler(EngineConfig(prefill_chunk=4096, max_batch_tokens=100_000))
+    shared = tuple(range(1, 201))
+    s.add_request(Request(shared + (1,), request_id="first", arrival_time=0))
+    s.add_request(Request(shared + (2,), request_id="second", arrival_time=1))
+    assert ids(s.schedule(BatchView(share_tokens=64))) == ["first"]
+    assert ids(s.schedule(BatchView(share_tokens=None))) == ["second"]  # no cache: nothing to wait for
