@@ -57,6 +57,9 @@ class EngineConfig:
     # an extra prefill step costs a whole decode step. null: never group.
     prefill_group_ratio: float | str | None = "auto"
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # Admit nobody while an admitted prompt awaits its first token (mlx-lm returns it two steps
+    # after the prompt is fed, and a newcomer's prefill would run inside both): lower TTFT.
+    first_token_first: bool = True
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     default_max_tokens: int = 256

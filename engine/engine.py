@@ -94,6 +94,8 @@ class Engine:
             kv_tokens_free=kv_free,
             prefilling_prompts=tuple(s.request.prompt_tokens for s in prefilling),
             share_tokens=self._share_tokens,
+            first_token_pending=sum(1 for s in self.seqs.values() if s.status is not RequestStatus.WAITING
+                                    and s.first_token_at is None and s.prefill_left <= 1),
         )
 
     def _reserved_tokens(self) -> int:

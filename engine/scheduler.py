@@ -37,6 +37,9 @@ class BatchView:
     # them to wait for its cached prefix instead of computing the same tokens again (None: no cache).
     prefilling_prompts: tuple[tuple[int, ...], ...] = ()
     share_tokens: int | None = None
+    # Requests whose prompt is fully fed but whose first token has not come back yet: a newcomer's
+    # prefill admitted now would run inside the steps they are waiting on.
+    first_token_pending: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class Scheduler:
         tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
         kv_free = view.kv_tokens_free
         in_prefill, deferred = list(view.prefilling_prompts), []
+        if view.first_token_pending and self.config.first_token_first:
+            return SchedulerOutput()  # at most two short steps; newcomers then prefill together
         while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
             head = self._heap[0].request
             if head.request_id in self._cancelled:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from engine.config import CacheConfig
+import pytest
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
 from engine.loop import default_store
-from engine.types import FinishReason, Request, SamplingParams
-from engine_helpers import FaultyModel, collect, make_engine, request, run
+from engine.types import FinishReason, Request, RequestStatus, SamplingParams
+from engine_helpers import FaultyModel, collect, make_engine, request, run, tiny_loader
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 40
 
@@ -205,3 +208,25 @@ def test_bounded_kv_cache_is_stored_and_reused_only_at_exact_boundaries(tiny_mod
         assert events[-1].usage.cached_tokens < len(prompt) + 40
     finally:
         run(eng.shutdown())
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_newcomer_waits_for_an_earlier_prompts_first_token(tiny_model_dir, hold):
+    """The engine counts a prompt that is fed but has no token yet, and the scheduler holds others back."""
+    config = EngineConfig(model=str(tiny_model_dir), first_token_first=hold, prefill_group_ratio=None)
+    loaded = tiny_loader(tiny_model_dir)(config)
+    eng = Engine(loaded.model, loaded.tokenizer, config)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    eng.add_request(Request(tuple(range(20, 60)), params, request_id="a"))
+    eng.step()  # admits "a" and feeds its prompt
+    eng.add_request(Request(tuple(range(70, 90)), params, request_id="b"))
+    admitted_before_first_token = False
+    while eng.seqs["a"].first_token_at is None:
+        eng.step()
+        admitted_before_first_token |= eng.seqs["b"].status is not RequestStatus.WAITING and \
+            eng.seqs["a"].first_token_at is None
+    assert admitted_before_first_token is not hold
+    while eng.has_work():
+        eng.step()
+    assert "b" not in eng.seqs  # it ran to the end either way
+    eng.close()

@@ -139,3 +139,16 @@ def test_siblings_arriving_together_are_not_prefilled_twice():
     s.add_request(Request(shared + (2,), request_id="second", arrival_time=1))
     assert ids(s.schedule(BatchView(share_tokens=64))) == ["first"]
     assert ids(s.schedule(BatchView(share_tokens=None))) == ["second"]  # no cache: nothing to wait for
+
+
+def test_nobody_is_admitted_while_a_prompt_awaits_its_first_token():
+    s = Scheduler(EngineConfig())
+    s.add_request(req(10, "late"))
+    assert ids(s.schedule(BatchView(running=1, first_token_pending=1))) == []
+    assert ids(s.schedule(BatchView(running=1))) == ["late"]
+
+
+def test_first_token_hold_can_be_switched_off():
+    s = Scheduler(EngineConfig(first_token_first=False))
+    s.add_request(req(10, "late"))
+    assert ids(s.schedule(BatchView(running=1, first_token_pending=1))) == ["late"]
