@@ -60,6 +60,11 @@ class EngineConfig:
     # Admit nobody while an admitted prompt awaits its first token (mlx-lm returns it two steps
     # after the prompt is fed, and a newcomer's prefill would run inside both): lower TTFT.
     first_token_first: bool = True
+    # On a prefix-cache hit, prefill the uncached rest of the prompt (up to this many tokens) outside
+    # the batch and sample the first token at once: mlx-lm returns a new prompt's first token only
+    # after three batch steps, each carrying the running batch's decode. "auto": up to prefill_chunk
+    # tokens on the CPU backend, off on GPUs (there batched prefill is cheaper and a step is short).
+    direct_first_token: int | str | None = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     default_max_tokens: int = 256
@@ -83,8 +88,17 @@ class EngineConfig:
         if self.prefill_group_ratio is not None and self.prefill_group_ratio != "auto" and (
                 not isinstance(self.prefill_group_ratio, (int, float)) or self.prefill_group_ratio < 1):
             raise ValueError('engine.prefill_group_ratio must be a number >= 1, "auto" or null')
+        if self.direct_first_token is not None and self.direct_first_token != "auto" and (
+                not isinstance(self.direct_first_token, int) or self.direct_first_token < 1):
+            raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+
+    def direct_first_token_limit(self, on_cpu: bool) -> int:
+        """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""
+        if self.direct_first_token == "auto":
+            return self.prefill_chunk if on_cpu else 0
+        return self.direct_first_token or 0
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "EngineConfig":

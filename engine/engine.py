@@ -43,6 +43,7 @@ class Engine:
         self._eos = sorted(tokenizer.eos_token_ids)
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
+        self._direct_limit = config.direct_first_token_limit(mx.default_device() == mx.cpu)
         # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
         # prefill to be cached rather than computing the same tokens alongside it.
         self._share_tokens = None if isinstance(self.store, NullStore) else max(64, self._min_store)
@@ -107,13 +108,13 @@ class Engine:
         # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
         events = self._expire() if self._clock() >= self._next_expiry else []
+        decoding = len(self.runner) > len(self._prefilling)
+        started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
         if len(self.scheduler):
             for request in self.scheduler.schedule(self.view()).admit:
                 events += self._admit(self.seqs[request.request_id])
             if self.memory is not None:
                 self.memory.rebalance(self._reserved_tokens())
-        decoding = len(self.runner) > len(self._prefilling)
-        started = time.perf_counter()
         try:
             prompts, generated = self.runner.step()
         except Exception as exc:  # contain the fault: fail this batch, keep serving
@@ -127,20 +128,35 @@ class Engine:
         hit = self.store.lookup(tokens)
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params
+        decoding = make_decoding(params, len(tokens), self._eos)
+        direct = hit is not None and len(tokens) - cached <= self._direct_limit
+        first: Generated | None = None
         try:
-            self.runner.insert(seq.request_id, tokens[cached:], tokens[:cached], hit.cache if hit else None,
-                               make_decoding(params, len(tokens), self._eos), params.max_tokens)
+            if direct:
+                first = self.runner.insert_after_first_token(
+                    seq.request_id, tokens[cached:], tokens[:cached], hit.cache, decoding, params.max_tokens)
+            else:
+                self.runner.insert(seq.request_id, tokens[cached:], tokens[:cached], hit.cache if hit else None,
+                                   decoding, params.max_tokens)
         except Exception as exc:
             log.exception("could not start request %s", seq.request_id)
+            self.runner.remove(seq.request_id)
             return [self._final(seq, FinishReason.ERROR, "", error=f"could not start the request: {exc}",
                                 code="internal_error")]
         seq.cached_tokens, seq.cache_tier = cached, (hit.tier if hit else None)
         seq.admitted_at = self._clock()
-        seq.advance(RequestStatus.PREFILLING)
-        self._prefilling[seq.request_id] = seq
         self.stats.prompt_tokens_total += len(tokens)
         self.stats.cached_tokens_total += cached
-        return []
+        if first is None:
+            seq.advance(RequestStatus.PREFILLING)
+            self._prefilling[seq.request_id] = seq
+            return []
+        seq.prefill_done = len(tokens) - cached
+        self.stats.direct_first_tokens += 1
+        if first.finish_reason is None and seq.prompt_len >= self._min_store:
+            # Offered before any batch step: the store copies it now, nothing has mutated it yet.
+            self._offer(seq, self.runner.extract(seq.request_id), "prompt")
+        return self._on_generated([first])
 
     def _on_prompts(self, prompts: list[PromptProgress]) -> None:
         for p in prompts:

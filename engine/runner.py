@@ -10,7 +10,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.config import EngineConfig
 from engine.sampling import Decoding
@@ -69,6 +71,50 @@ class Runner:
         )
         self._uid_to_id[uid] = request_id
         self._id_to_uid[request_id] = uid
+
+    def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
+                                 cache: list[Any] | None, decoding: Decoding, max_tokens: int) -> Generated:
+        """Prefill `tokens` on top of `cache` (covering `cached`) outside the batch, sample the first
+        output token now, and continue the request in the batch unless that token ends it.
+
+        mlx-lm returns a new prompt's first token three `next()` calls after its insertion, each
+        carrying the running batch's decode step; this returns it after one forward pass over
+        `tokens`. The request then joins the batch as a one-token prompt (its first token) on the
+        prefilled cache, so the rest of its output comes from `BatchGenerator` as usual. The first
+        token goes through the same logits processors and sampler, with the same context (the
+        whole prompt), as mlx-lm would give it.
+        """
+        prompt = list(cached) + list(tokens)
+        cache = cache if cache is not None else make_prompt_cache(self._model, self._config.max_kv_size)
+        token, logprobs = self._prefill_and_sample(tokens, prompt, cache, decoding)
+        # Pomona's stop sequences are single tokens (stop strings are matched on text), so a fresh
+        # matcher decides whether the first token is one.
+        reason = "stop" if decoding.stop_sequences.matcher().advance(token) else None
+        if reason is None and max_tokens <= 1:
+            reason = "length"
+        if reason is not None:  # finished at its first token: the cache covers the prompt
+            return Generated(request_id, token, logprobs, reason, cache, prompt)
+        self.insert(request_id, [token], prompt, cache, decoding, max_tokens - 1)
+        return Generated(request_id, token, logprobs, None, None, None)
+
+    def _prefill_and_sample(self, tokens: Sequence[int], prompt: list[int], cache: list[Any],
+                            decoding: Decoding) -> tuple[int, mx.array]:
+        with mx.stream(self._generator.stream):  # ordered after the batch's work in flight
+            inputs = mx.array(list(tokens))[None]
+            chunk = self._config.prefill_chunk
+            while inputs.shape[1] > chunk:  # bound the memory of one pass, as mlx-lm does
+                self._model(inputs[:, :chunk], cache=cache)
+                mx.eval([c.state for c in cache])
+                inputs = inputs[:, chunk:]
+            logits = self._model(inputs, cache=cache)[:, -1, :]
+            if decoding.logits_processors:
+                context = mx.array(prompt)
+                for process in decoding.logits_processors:
+                    logits = process(context, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = decoding.sampler(logprobs)
+            mx.eval(sampled, logprobs)
+        return int(sampled.item()), logprobs[0]
 
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         prompt_responses, generation_responses = self._generator.next()

@@ -19,6 +19,7 @@ class EngineStats:
     requests_finished: dict[str, int] = field(default_factory=lambda: collections.Counter())
     requests_rejected: int = 0
     faults: int = 0
+    direct_first_tokens: int = 0  # prefix hits whose first token came from a prefill outside the batch
     steps: int = 0
     step_time_ema_ms: float = 0.0
     max_decode_stall_ms: float = 0.0  # longest step while sequences were decoding
@@ -50,6 +51,7 @@ class EngineStats:
             "requests_finished": dict(self.requests_finished),
             "requests_rejected": self.requests_rejected,
             "faults": self.faults,
+            "direct_first_tokens": self.direct_first_tokens,
             "steps": self.steps,
             "step_time_ms": round(self.step_time_ema_ms, 3),
             "max_decode_stall_ms": round(self.max_decode_stall_ms, 3),

@@ -1,0 +1,137 @@
+"""A prefix hit's first token comes from a prefill outside the batch (`engine.direct_first_token`).
+
+The same requests run with the direct path on and off must give the same tokens, log-probabilities
+and endings; with it on, the first token is out in the step that admits the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cache_tiers.factory import build_store
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.types import FinishReason, Request, SamplingParams, TokenEvent
+from engine_helpers import tiny_loader
+
+PREFIX = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6
+
+
+def make(tiny_model_dir, direct: int | None, **overrides: Any) -> Engine:
+    cache = CacheConfig(ram_bytes=64 * 2**20, min_restore_tokens=8)
+    config = EngineConfig(model=str(tiny_model_dir), direct_first_token=direct, cache=cache, **overrides)
+    loaded = tiny_loader(tiny_model_dir)(config)
+    return Engine(loaded.model, loaded.tokenizer, config, store=build_store(cache, "tiny"))
+
+
+def drive(eng: Engine, requests: list[Request]) -> dict[str, list[TokenEvent]]:
+    """Run `requests` together to the end; every event, by request id."""
+    out: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        eng.add_request(r)
+    while eng.has_work():
+        for e in eng.step():
+            out[e.request_id].append(e)
+    return out
+
+
+def warm(eng: Engine) -> tuple[int, ...]:
+    prefix = tuple(eng.tokenizer.encode(PREFIX))
+    drive(eng, [Request(prefix + (5,), SamplingParams(max_tokens=2, temperature=0.0), request_id="warm")])
+    return prefix
+
+
+def questions(prefix: tuple[int, ...], **params: Any) -> list[Request]:
+    return [Request(prefix + tuple(range(40 + i, 50 + 2 * i)), SamplingParams(**params), request_id=f"q{i}")
+            for i in range(3)]
+
+
+def summary(events: list[TokenEvent]) -> tuple:
+    logprobs = tuple(round(e.logprob.logprob, 4) for e in events if e.logprob is not None)
+    return (tuple(e.token_id for e in events if e.token_id is not None), "".join(e.text for e in events),
+            events[-1].finish_reason, events[-1].usage.completion_tokens, logprobs)
+
+
+PARAMS = [
+    dict(max_tokens=12, temperature=0.0, logprobs=2),
+    dict(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5),
+    dict(max_tokens=1, temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy-logprobs", "seeded-penalties", "one-token"])
+def test_direct_first_token_changes_no_output(tiny_model_dir, params):
+    results = {}
+    for direct in (None, 256):
+        eng = make(tiny_model_dir, direct)
+        try:
+            prefix = warm(eng)
+            out = drive(eng, questions(prefix, **params))
+            results[direct] = {k: summary(v) for k, v in out.items()}
+            assert eng.stats.direct_first_tokens == (3 if direct else 0)
+            assert all(v[-1].usage.cached_tokens >= len(prefix) - 8 for v in out.values())
+        finally:
+            eng.close()
+    assert results[None] == results[256]
+
+
+def test_first_token_comes_in_the_admitting_step(tiny_model_dir):
+    eng = make(tiny_model_dir, 256)
+    try:
+        prefix = warm(eng)
+        [req] = questions(prefix, max_tokens=6, temperature=0.0)[:1]
+        eng.add_request(req)
+        first = eng.step()
+        assert [e.request_id for e in first if e.token_id is not None] == [req.request_id]
+        assert eng.seqs[req.request_id].first_token_at is not None
+        events = list(first)
+        while eng.has_work():
+            events += eng.step()
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert events[-1].usage.completion_tokens == 6
+        assert sum(1 for e in events if e.token_id is not None) == 6
+    finally:
+        eng.close()
+
+
+def test_longer_rest_than_the_limit_takes_the_batch_path(tiny_model_dir):
+    eng = make(tiny_model_dir, 4)
+    try:
+        prefix = warm(eng)
+        out = drive(eng, questions(prefix, max_tokens=4, temperature=0.0))  # rests of 10-14 tokens
+        assert eng.stats.direct_first_tokens == 0
+        assert all(v[-1].finish_reason is FinishReason.LENGTH for v in out.values())
+    finally:
+        eng.close()
+
+
+def test_first_token_can_end_the_request(tiny_model_dir):
+    eng = make(tiny_model_dir, 256)
+    try:
+        prefix = warm(eng)
+        [probe] = questions(prefix, max_tokens=1, temperature=0.0)[:1]
+        first = drive(eng, [probe])[probe.request_id][-1]
+        stop_id = Request(probe.prompt_tokens, SamplingParams(max_tokens=8, temperature=0.0,
+                                                              stop_token_ids=(first.token_id,)), request_id="s")
+        stop_text = Request(probe.prompt_tokens, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                stop=(first.text[:1],)), request_id="t")
+        out = drive(eng, [stop_id, stop_text])
+        for rid in ("s", "t"):
+            assert out[rid][-1].finish_reason is FinishReason.STOP
+            assert "".join(e.text for e in out[rid]) == ""
+            assert out[rid][-1].usage.completion_tokens == 1
+        assert eng.stats.direct_first_tokens >= 3
+        assert len(eng.runner) == 0  # nothing left behind in the batch
+    finally:
+        eng.close()
+
+
+def test_config_resolves_auto_per_backend():
+    assert EngineConfig(prefill_chunk=128).direct_first_token_limit(on_cpu=True) == 128
+    assert EngineConfig().direct_first_token_limit(on_cpu=False) == 0
+    assert EngineConfig(direct_first_token=None).direct_first_token_limit(on_cpu=True) == 0
+    assert EngineConfig(direct_first_token=32).direct_first_token_limit(on_cpu=False) == 32
+    with pytest.raises(ValueError, match="direct_first_token"):
+        EngineConfig(direct_first_token=0)
