@@ -32,6 +32,14 @@ API only (`BatchGenerator.insert/next/remove/extract_cache/stats()`, the respons
 
     python -m benchmarks.device_bench --tiny                    # CPU smoke test
     python -m benchmarks.device_bench --repeats 2 --profile      # the device run (docs/accelerators.md)
+    python -m benchmarks.device_bench --modes bare,engine --repeats 6 --order alternate --budget-s 450
+                                                                 # a verdict on engine vs bare (run F)
+
+A verdict on "engine >= 0.95x bare" needs pairs: each repeat runs bare and engine back to back and
+the report gives engine/bare per repeat, their median and the ratio of total wall times.
+`--order alternate` flips which of the two runs first in every other repeat, so drift of the host
+within a repeat (clocks, other tenants) does not always fall on the same side. `--modes bare,engine`
+skips the raw rungs (they are not needed for the verdict and cost time).
 
 JSON goes to --json, or to $OUT/device_bench.json when OUT is set.
 """
@@ -73,7 +81,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=256, help="as EngineConfig.prefill_chunk")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="default: float32 on the CPU backend, bfloat16 on GPUs")
-    p.add_argument("--modes", default="raw,bare,engine", help="raw,bare,engine and/or bare_thread (a control)")
+    p.add_argument("--modes", default="raw,bare,engine",
+                   help="raw,bare,engine and/or bare_thread (a control); bare,engine skips the raw rungs")
+    p.add_argument("--order", choices=("fixed", "alternate"), default="fixed",
+                   help="within a repeat: fixed = bare then engine every time; alternate = bare-engine, "
+                        "engine-bare, ... (raw rungs, if any, always first)")
+    p.add_argument("--budget-s", type=float,
+                   help="start no repeat (or workload) that would likely end after this many seconds of "
+                        "process time, so a device call ends with its JSON written instead of being killed")
     p.add_argument("--profile", nargs="?", const="all",
                    help="also run instrumented bare and engine passes (for these --concurrency items; default all)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,6 +96,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-group-ratio", type=_group_ratio,
                    help='experiment: EngineConfig.prefill_group_ratio (a number >= 1, "auto" or "none"); '
                         "default: the engine's default")
+    p.add_argument("--first-token-first", choices=("on", "off"),
+                   help="experiment: EngineConfig.first_token_first (admit nobody while a prompt awaits its "
+                        "first token); default: the engine's default")
     p.add_argument("--json", help="write results here (default $OUT/device_bench.json when OUT is set)")
     cfg = p.parse_args(argv)
     cfg.prompt_len = _pair(cfg.prompt_len, (20, 60) if cfg.tiny else (100, 1000))
@@ -106,6 +124,28 @@ def workloads(cfg: argparse.Namespace) -> list[tuple[str, int, tuple[int, int]]]
     return out  # type: ignore[return-value]
 
 
+def rep_order(rep: int, order: str) -> tuple[str, str]:
+    """Which of bare and engine runs first in repeat `rep`. With a fixed order (runs A-E) a drift of
+    the host inside each repeat always lands on the same side; alternating puts it on both."""
+    return ("engine", "bare") if order == "alternate" and rep % 2 else ("bare", "engine")
+
+
+def over_budget(cfg: argparse.Namespace, t_start: float, next_cost_s: float) -> bool:
+    """Whether starting something that takes about `next_cost_s` would run past `--budget-s`."""
+    return cfg.budget_s is not None and pc() - t_start + next_cost_s > cfg.budget_s
+
+
+def write_results(results: dict, out: str | None) -> None:
+    """Tables into `results` and the JSON to `out`; called after every workload, so a run cut off at
+    the device call's limit still leaves the workloads it finished."""
+    table, results["ratios"] = report.summarize(results)
+    results["table_md"], results["profile_md"] = table, profile_table(results)
+    results["phases_md"] = report.phases_table(results)
+    results["paired_md"] = report.paired_table(results)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1, default=str))
+
+
 def setup(cfg: argparse.Namespace) -> tuple[Any, Any, dict, dict]:
     """The model, the tokenizer, the model's shape and the environment record."""
     on_gpu = mx.default_device() == mx.gpu
@@ -121,6 +161,7 @@ def setup(cfg: argparse.Namespace) -> tuple[Any, Any, dict, dict]:
         sys.setswitchinterval(cfg.switch_interval)
     env["switch_interval_s"] = sys.getswitchinterval()
     env["prefill_group_ratio"] = cfg.prefill_group_ratio if cfg.prefill_group_ratio is not None else "engine default"
+    env["first_token_first"] = cfg.first_token_first or "engine default"
     print(f"# {params / 1e6:,.1f}M-parameter random llama, {dtype}, on {env['device']}; mlx {env['mlx']}, "
           f"mlx-lm {env['mlx_lm']}; built in {pc() - t_start:.1f} s", flush=True)
     return model, tokenizer, shape, env
@@ -135,22 +176,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = pc()
     model, tokenizer, shape, env = setup(cfg)
     results: dict[str, Any] = {"env": env, "config": dict(vars(cfg)), "model": shape, "runs": {}}
+    out = cfg.json or (os.path.join(os.environ["OUT"], "device_bench.json") if os.environ.get("OUT") else None)
     for label, n, prompt_len in items:
+        if results["runs"] and over_budget(cfg, t_start, 0.0):
+            print(f"# {label}: skipped, --budget-s {cfg.budget_s:.0f} reached", flush=True)
+            continue
         wl = make_workload(n, shape["vocab_size"], prompt_len, cfg.out_len, cfg.seed)
-        by: dict[str, Any] = {"n": n, "prompt_len": prompt_len, "raw": [], "bare": [], "engine": [],
+        by: dict[str, Any] = {"n": n, "prompt_len": prompt_len, "raw": [], "bare": [], "engine": [], "order": [],
                               "bare_thread": [], "bare_profile": [], "engine_profile": []}
         results["runs"][label] = by
         asyncio.run(_measure(model, tokenizer, wl, cfg, label, by, modes,
-                             profile_labels is not None and label in profile_labels))
+                             profile_labels is not None and label in profile_labels, t_start))
+        results["wall_s"] = pc() - t_start
+        write_results(results, out)
     results["wall_s"] = pc() - t_start
-    table, results["ratios"] = report.summarize(results)
-    results["table_md"], results["profile_md"] = table, profile_table(results)
-    results["phases_md"] = report.phases_table(results)
-    out = cfg.json or (os.path.join(os.environ["OUT"], "device_bench.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1, default=str))
+    write_results(results, out)
     for part in (results["profile_md"], results["phases_md"], report.raw_table(results), report.cpu_lines(results),
-                 table):
+                 results["table_md"], results["paired_md"]):
         if part:
             print("\n" + part)
     print(f"\n# total {results['wall_s']:.1f} s" + (f"; JSON in {out}" if out else ""), flush=True)
@@ -158,8 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _measure(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Namespace, label: str, by: dict,
-                   modes: set[str], profile: bool) -> None:
-    """Warm up, then the timed repeats, then the profiled passes, for one workload."""
+                   modes: set[str], profile: bool, t_start: float) -> None:
+    """Warm up, then the timed repeats (each: raw rungs, then bare and engine in `rep_order`), then
+    the profiled passes, for one workload. With `--budget-s`, stops before a repeat that would
+    likely not end in time (the previous repeat's duration is the estimate)."""
     t = pc()
     run_bare(model, wl, cfg)  # warm-up: every kernel and batch shape these runs meet
     session = None
@@ -170,13 +214,24 @@ async def _measure(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Names
     print(f"# {label}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
           f"{wl.output_tokens} output tokens; warm-up {pc() - t:.1f} s", flush=True)
     try:
+        last_rep_s = 0.0
         for rep in range(cfg.repeats):
+            # alternating: start a bare-first repeat only if its engine-first partner fits too
+            pair_left = 2 if cfg.order == "alternate" and rep % 2 == 0 else 1
+            if over_budget(cfg, t_start, last_rep_s * pair_left):
+                print(f"# {label}: stopped after {rep} repeats, --budget-s {cfg.budget_s:.0f}", flush=True)
+                break
+            t_rep = pc()
             if "raw" in modes:
                 by["raw"] += run_raw(model, wl, cfg)
-            if "bare" in modes:
-                by["bare"].append(run_bare(model, wl, cfg))
-            if session is not None:
-                by["engine"].append(await session.run(wl, f"{label}-r{rep}"))
+            order = [m for m in rep_order(rep, cfg.order) if m in modes]
+            for mode in order:
+                if mode == "bare":
+                    by["bare"].append(run_bare(model, wl, cfg))
+                elif session is not None:
+                    by["engine"].append(await session.run(wl, f"{label}-r{rep}"))
+            by["order"].append("-".join(order))
+            last_rep_s = pc() - t_rep
             print(report.rep_line(label, rep, by), flush=True)
         if "bare_thread" in modes:
             by["bare_thread"].append(run_bare_in_thread(model, wl, cfg))

@@ -175,6 +175,8 @@ class EngineSession:
         self.n, self.tokenizer = n, tokenizer
         self.model = TimedModel(model, None)  # times graph building only while a profile run sets .rec
         extra = {} if cfg.prefill_group_ratio is None else {"prefill_group_ratio": cfg.prefill_group_ratio}
+        if getattr(cfg, "first_token_first", None):
+            extra["first_token_first"] = cfg.first_token_first == "on"
         config = EngineConfig(model="random-llama", max_running=n, prefill_batch=min(cfg.prefill_batch, n),
                               prefill_chunk=cfg.prefill_chunk, request_timeout_s=None,
                               cache=CacheConfig(enabled=False), **extra)
