@@ -36,6 +36,10 @@ class PrefixStore(Protocol):
         """Remember `cache`, which covers exactly `tokens`. The store takes ownership (it copies
         or slices as it needs); the caller must not mutate `cache` afterwards."""
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the RAM tier could restore now (0: none); copies
+        nothing, counts nothing. The scheduler asks it to decide who waits for whom."""
+
     def stats(self) -> dict[str, Any]:
         """Per-tier counters: queries/hits in tokens, entries, bytes, evictions, promotions..."""
 
@@ -51,6 +55,9 @@ class NullStore:
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         return None
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        return 0
 
     def stats(self) -> dict[str, Any]:
         return {}

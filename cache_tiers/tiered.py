@@ -76,6 +76,12 @@ class TieredStore:
         self.totals.hit(num)
         return Hit(cache=cache, num_tokens=num, tier=tier)
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        match = self.ram.find(np.asarray(tokens, dtype=np.int64)) if len(tokens) >= 2 else None
+        if match is None or match.num_tokens < max(1, self.min_restore_tokens):
+            return 0
+        return match.num_tokens
+
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         try:
             snap = snapshot(tokens, cache)

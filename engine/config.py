@@ -59,7 +59,9 @@ class EngineConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     # Admit nobody while an admitted prompt awaits its first token (mlx-lm returns it two steps
     # after the prompt is fed, and a newcomer's prefill would run inside both): lower TTFT.
-    first_token_first: bool = True
+    # "auto": on the CPU backend only; on a GPU the extra steps it causes cost 9-12% throughput at
+    # 128 concurrent (docs/accelerators.md, run F) while a step there is a few milliseconds.
+    first_token_first: bool | str = "auto"
     # On a prefix-cache hit, prefill the uncached rest of the prompt (up to this many tokens) outside
     # the batch and sample the first token at once: mlx-lm returns a new prompt's first token only
     # after three batch steps, each carrying the running batch's decode. "auto": up to prefill_chunk
@@ -88,6 +90,8 @@ class EngineConfig:
         if self.prefill_group_ratio is not None and self.prefill_group_ratio != "auto" and (
                 not isinstance(self.prefill_group_ratio, (int, float)) or self.prefill_group_ratio < 1):
             raise ValueError('engine.prefill_group_ratio must be a number >= 1, "auto" or null')
+        if self.first_token_first not in (True, False, "auto"):
+            raise ValueError('engine.first_token_first must be true, false or "auto"')
         if self.direct_first_token is not None and self.direct_first_token != "auto" and (
                 not isinstance(self.direct_first_token, int) or self.direct_first_token < 1):
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')

@@ -30,8 +30,12 @@ EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 emit: Callable[[list[TokenEvent]], None] | None = None) -> None:
+        """`emit`, when given, takes a direct first token as soon as it is sampled (the loop delivers
+        it to its stream) instead of at the end of the step, which still runs a batch step after it."""
         self.config = config
+        self._emit = emit
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
@@ -95,6 +99,7 @@ class Engine:
             kv_tokens_free=kv_free,
             prefilling_prompts=tuple(s.request.prompt_tokens for s in prefilling),
             share_tokens=self._share_tokens,
+            cached_length=self.store.cached_length,
             first_token_pending=sum(1 for s in self.seqs.values() if s.status is not RequestStatus.WAITING
                                     and s.first_token_at is None and s.prefill_left <= 1),
         )
@@ -151,12 +156,15 @@ class Engine:
             seq.advance(RequestStatus.PREFILLING)
             self._prefilling[seq.request_id] = seq
             return []
+        # No "prompt" offer: this prompt is a cached prefix plus a short rest, and the request's
+        # finished offer (prompt + output) covers it; a copy now would only delay the first token.
         seq.prefill_done = len(tokens) - cached
         self.stats.direct_first_tokens += 1
-        if first.finish_reason is None and seq.prompt_len >= self._min_store:
-            # Offered before any batch step: the store copies it now, nothing has mutated it yet.
-            self._offer(seq, self.runner.extract(seq.request_id), "prompt")
-        return self._on_generated([first])
+        events = self._on_generated([first])
+        if self._emit is not None and not any(e.finished for e in events):
+            self._emit(events)
+            return []
+        return events
 
     def _on_prompts(self, prompts: list[PromptProgress]) -> None:
         for p in prompts:

@@ -228,7 +228,8 @@ class AsyncEngine:
         self.tokenizer, self.context_length, self.model_name = loaded.tokenizer, loaded.context_length, loaded.name
         if self.config.max_model_len:
             self.context_length = min(self.context_length, self.config.max_model_len)
-        engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded))
+        engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded),
+                        emit=self._deliver)
         self._engine = engine
         self._warm_up(engine)
         self._publish_stats(engine)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.types import OverloadedError, Request
@@ -37,6 +38,9 @@ class BatchView:
     # them to wait for its cached prefix instead of computing the same tokens again (None: no cache).
     prefilling_prompts: tuple[tuple[int, ...], ...] = ()
     share_tokens: int | None = None
+    # Leading tokens of a prompt the prefix cache holds now: a prompt whose shared prefix is
+    # already cached gains nothing by waiting for another prefill, so it is not held back.
+    cached_length: Callable[[tuple[int, ...]], int] | None = None
     # Requests whose prompt is fully fed but whose first token has not come back yet: a newcomer's
     # prefill admitted now would run inside the steps they are waiting on.
     first_token_pending: int = 0
@@ -64,6 +68,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, on_cpu: bool = True) -> None:
         self.config = config
         self.group_ratio = group_ratio(config, on_cpu)
+        hold = config.first_token_first
+        self.first_token_first = on_cpu if hold == "auto" else bool(hold)
         self._heap: list[_Entry] = []
         self._order = itertools.count()
         self._cancelled: set[str] = set()
@@ -103,7 +109,7 @@ class Scheduler:
         tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
         kv_free = view.kv_tokens_free
         in_prefill, deferred = list(view.prefilling_prompts), []
-        if view.first_token_pending and self.config.first_token_first:
+        if view.first_token_pending and self.first_token_first:
             return SchedulerOutput()  # at most two short steps; newcomers then prefill together
         while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
             head = self._heap[0].request
@@ -111,7 +117,7 @@ class Scheduler:
                 heapq.heappop(self._heap)
                 self._cancelled.discard(head.request_id)
                 continue
-            if _shares_prefix(head.prompt_tokens, in_prefill, view.share_tokens):
+            if _shares_prefix(head.prompt_tokens, in_prefill, view.share_tokens) and not _cached(head, view):
                 deferred.append(heapq.heappop(self._heap))  # its prefix is cached when that prefill ends
                 continue
             size = len(head.prompt_tokens)
@@ -144,6 +150,13 @@ class Scheduler:
         low = min(size, shortest or size, chunk)
         high = min(max(size, longest), chunk)
         return high <= self.group_ratio * max(low, 1)
+
+
+def _cached(request: Request, view: BatchView) -> bool:
+    """Whether the prefix cache already holds at least `share_tokens` of this prompt."""
+    if view.cached_length is None or view.share_tokens is None:
+        return False
+    return view.cached_length(request.prompt_tokens) >= view.share_tokens
 
 
 def _shares_prefix(prompt: tuple[int, ...], others: list[tuple[int, ...]], share: int | None) -> bool:

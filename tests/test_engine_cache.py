@@ -40,6 +40,7 @@ def test_hit_gives_same_greedy_output_and_reports_cached_tokens(tiny_model_dir, 
         assert prefix_len - 4 <= usage.cached_tokens < usage.prompt_tokens
         stats = eng.stats()
         assert stats["cached_tokens_total"] == usage.cached_tokens
+        assert stats["direct_first_tokens"] == 1  # the hit's first token came from the direct path
     finally:
         run(eng.shutdown())
 

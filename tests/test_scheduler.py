@@ -141,6 +141,19 @@ def test_siblings_arriving_together_are_not_prefilled_twice():
     assert ids(s.schedule(BatchView(share_tokens=None))) == ["second"]  # no cache: nothing to wait for
 
 
+def test_siblings_whose_prefix_is_already_cached_start_together():
+    s = Scheduler(EngineConfig(prefill_chunk=4096, max_batch_tokens=100_000))
+    shared = tuple(range(1, 201))
+    for i in range(3):
+        s.add_request(Request(shared + (i, i), request_id=f"hit{i}", arrival_time=i))
+    held = {shared: 180}  # the cache holds 180 of the 200 shared tokens
+    view = BatchView(share_tokens=64, cached_length=lambda p: held.get(p[:200], 0))
+    assert ids(s.schedule(view)) == ["hit0", "hit1", "hit2"]
+    s.add_request(Request(tuple(range(300, 500)) + (1,), request_id="cold0", arrival_time=3))
+    s.add_request(Request(tuple(range(300, 500)) + (2,), request_id="cold1", arrival_time=4))
+    assert ids(s.schedule(view)) == ["cold0"]  # nothing of theirs is cached: the second waits
+
+
 def test_nobody_is_admitted_while_a_prompt_awaits_its_first_token():
     s = Scheduler(EngineConfig())
     s.add_request(req(10, "late"))
@@ -152,3 +165,12 @@ def test_first_token_hold_can_be_switched_off():
     s = Scheduler(EngineConfig(first_token_first=False))
     s.add_request(req(10, "late"))
     assert ids(s.schedule(BatchView(running=1, first_token_pending=1))) == ["late"]
+
+
+def test_first_token_hold_auto_is_on_for_cpu_off_for_gpu():
+    for on_cpu, admitted in ((True, []), (False, ["late"])):
+        s = Scheduler(EngineConfig(first_token_first="auto"), on_cpu=on_cpu)
+        s.add_request(req(10, "late"))
+        assert ids(s.schedule(BatchView(running=1, first_token_pending=1))) == admitted
+    with pytest.raises(ValueError, match="first_token_first"):
+        EngineConfig(first_token_first="sometimes")
