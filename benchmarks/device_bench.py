@@ -210,6 +210,8 @@ async def _measure(model: Any, tokenizer: Any, wl: Workload, cfg: argparse.Names
     if "engine" in modes:
         session = EngineSession(model, tokenizer, cfg, by["n"])
         await session.start()
+        by["engine_settings"] = await session.settings()
+        print(f"# {label}: engine settings {by['engine_settings']}", flush=True)
         await session.run(wl, f"warm-{label}")
     print(f"# {label}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
           f"{wl.output_tokens} output tokens; warm-up {pc() - t:.1f} s", flush=True)

@@ -187,6 +187,15 @@ class EngineSession:
     async def start(self) -> None:
         await self.aengine.wait_ready(timeout=600)
 
+    async def settings(self) -> dict:
+        """The engine's scheduling settings as resolved on this device ("auto" made concrete)."""
+        def read(engine: Any) -> dict:
+            sch = engine.scheduler
+            return {"first_token_first": getattr(sch, "first_token_first", None),
+                    "prefill_group_ratio": getattr(sch, "group_ratio", None),
+                    "direct_first_token_limit": getattr(engine, "_direct_limit", None)}
+        return await self.aengine.call(read)
+
     async def close(self) -> None:
         await self.aengine.shutdown()
 
