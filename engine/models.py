@@ -321,11 +321,13 @@ def load_tokenizer(path: Path) -> Any:
     return mlx_load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
 
 
-def load_model(path: Path, dtype: str | None = None) -> LoadedModel:
+def load_model(path: Path, dtype: str | None = None, cpu_fast_paths: bool = True) -> LoadedModel:
     """Load an mlx-lm model directory for serving.
 
     `dtype`: None picks by backend (float32 on CPU, checkpoint as stored on GPU); "float32",
     "bfloat16" or "float16" make every weight dense in that dtype; "keep" loads it as stored.
+    `cpu_fast_paths`: on the CPU backend with float32 weights, evaluate a llama model's SiLU and
+    softmax with `engine.cpu_kernels` (MLX's CPU exp is scalar; see `engine.cpu_llama`).
     """
     from mlx_lm.utils import load_model as mlx_load_model
 
@@ -344,6 +346,11 @@ def load_model(path: Path, dtype: str | None = None) -> LoadedModel:
     described = _describe_weights(model)
     if chosen != KEEP and densified:
         described += f" (dequantized {densified} layers)"
+    if cpu_fast_paths and on == "cpu" and chosen == "float32":
+        from engine.cpu_llama import accelerate
+
+        if accelerate(model):
+            described += " (CPU fast paths)"
     log.info("loaded %s on %s as %s (dtype=%r) in %.1f s", path, on, described, dtype,
              time.monotonic() - started)
     return LoadedModel(

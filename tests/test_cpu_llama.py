@@ -1,0 +1,139 @@
+"""The CPU fast paths compute what MLX's own functions compute: kernels, attention, whole models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.utils import load_model as mlx_load_model
+
+from engine.cpu_kernels import fast_exp, silu_mul, softmax
+from engine.cpu_llama import CpuAttention, CpuMLP, accelerate, attention
+from engine.models import load_model
+
+
+def test_fast_exp_matches_exp_over_float32_range() -> None:
+    x = mx.concatenate([mx.linspace(-87.3, 88.0, 100_003), mx.array([0.0, -1e-7, 1e-7, 1.0, -1.0])])
+    got, want = np.array(fast_exp(x)), np.array(mx.exp(x))
+    assert np.max(np.abs(got - want) / want) < 3e-7
+    # Far below the normal range it gives (nearly) 0, as softmax and sigmoid need; never inf or nan.
+    tiny = np.array(fast_exp(mx.array([-200.0, -1e30, -float("inf")])))
+    assert np.all(tiny < 1e-37) and np.all(tiny >= 0)
+    assert np.isfinite(np.array(fast_exp(mx.array([100.0, 1e30])))).all()
+
+
+def test_silu_mul_and_softmax_match_mlx() -> None:
+    mx.random.seed(1)
+    gate, up = mx.random.normal((7, 3, 1536)) * 6, mx.random.normal((7, 3, 1536))
+    assert mx.allclose(silu_mul(gate, up), swiglu(gate, up), atol=1e-5, rtol=1e-5).item()
+    scores = mx.random.normal((4, 3, 5, 37)) * 20
+    assert mx.allclose(softmax(scores), mx.softmax(scores, axis=-1, precise=True), atol=1e-6).item()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("L,S", [(1, 1), (1, 19), (5, 5), (4, 23)])
+def test_attention_matches_sdpa(heads: int, kv_heads: int, L: int, S: int) -> None:
+    mx.random.seed(L * 100 + S)
+    B, D = 3, 16
+    q, k, v = (mx.random.normal((B, h, n, D)) for h, n in ((heads, L), (kv_heads, S), (kv_heads, S)))
+    pad = mx.array([0, 2, S - 1])  # left padding per row, as mlx-lm's batch caches mask it
+    keep = (mx.arange(S)[None, None, None, :] >= pad[:, None, None, None]) & \
+        (mx.arange(S - L, S)[:, None] >= mx.arange(S)[None])
+    masks = [None, keep, mx.where(keep, 0.0, -1e9).astype(mx.float32)] + (["causal"] if L > 1 else [])
+    for mask in masks:
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        got = attention(q, k, v, 0.25, mask)
+        assert mx.allclose(got, want, atol=2e-5).item(), f"mask {type(mask)} L={L} S={S}"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir: Path):
+    ref, _ = mlx_load_model(tiny_model_dir)
+    fast, _ = mlx_load_model(tiny_model_dir)
+    assert accelerate(fast) == len(fast.model.layers)
+    assert all(type(layer.self_attn) is CpuAttention and type(layer.mlp) is CpuMLP for layer in fast.model.layers)
+    return ref, fast
+
+
+def test_accelerated_model_keeps_parameters_and_logits(models) -> None:
+    ref, fast = models
+    assert sorted(k for k, _ in _flat(ref)) == sorted(k for k, _ in _flat(fast))
+    tokens = mx.array([[5, 17, 42, 3, 99, 7, 12, 250, 31, 8]])
+    for make in (lambda m: make_prompt_cache(m), lambda m: [RotatingKVCache(max_size=6) for _ in m.layers]):
+        _same_logits(ref, fast, tokens, make)
+
+
+def test_quantized_kv_cache_takes_mlx_lms_path() -> None:
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300)
+    ref = llama.Model(args)
+    fast = llama.Model(args)
+    fast.update(ref.parameters())
+    assert accelerate(fast) == 2
+    tokens = mx.array([[5, 17, 42, 3, 99, 7, 12, 250, 31, 8]])
+    _same_logits(ref, fast, tokens, lambda m: [QuantizedKVCache(group_size=32, bits=8) for _ in m.layers])
+
+
+def _same_logits(ref, fast, tokens, make_cache) -> None:
+    c_ref, c_fast = make_cache(ref), make_cache(fast)
+    a, b = ref(tokens, cache=c_ref), fast(tokens, cache=c_fast)
+    assert mx.allclose(a, b, atol=1e-4).item()
+    for step in range(4):  # decode on top of the prefilled cache
+        nxt = a[:, -1:].argmax(-1)
+        a, b = ref(nxt, cache=c_ref), fast(nxt, cache=c_fast)
+        assert mx.allclose(a, b, atol=1e-4).item(), f"decode step {step}"
+
+
+def test_batch_generator_greedy_tokens_unchanged(models) -> None:
+    ref, fast = models
+    prompts = [[5, 17, 42], [3, 99, 7, 12, 250, 31, 8, 60, 61], [9] * 20, [100, 200]]  # left padding differs
+
+    def run(model) -> dict[int, list[int]]:
+        gen = BatchGenerator(model, max_tokens=12, stop_tokens=None, completion_batch_size=4, prefill_batch_size=4)
+        uids = gen.insert(prompts)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while True:
+            _, responses = gen.next()
+            if not responses and all(len(v) == 12 for v in out.values()):
+                break
+            for r in responses:
+                out[r.uid].append(r.token)
+        gen.close()
+        return {i: out[u] for i, u in enumerate(uids)}
+
+    assert run(fast) == run(ref)
+
+
+def test_load_model_applies_fast_paths_only_to_float32_on_cpu(tiny_model_dir: Path) -> None:
+    assert mx.default_device() == mx.cpu
+    on = load_model(tiny_model_dir)
+    assert "CPU fast paths" in on.weights_dtype
+    assert all(type(layer.self_attn) is CpuAttention for layer in on.model.model.layers)
+    off = load_model(tiny_model_dir, cpu_fast_paths=False)
+    half = load_model(tiny_model_dir, dtype="float16")
+    for loaded in (off, half):
+        assert "CPU fast paths" not in loaded.weights_dtype
+        assert all(type(layer.self_attn) is llama.Attention for layer in loaded.model.model.layers)
+
+
+def test_other_architectures_are_left_alone() -> None:
+    import mlx.nn as nn
+
+    class NotLlama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Linear(4, 4)]
+
+    assert accelerate(NotLlama()) == 0
+
+
+def _flat(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
