@@ -1,5 +1,8 @@
 """The reference: mlx-lm's `BatchGenerator` driven by a plain loop, no HTTP, no scheduler.
 
+The model is loaded as Pomona's engine loads it (see `load`): the loop is Pomona without its
+serving stack, not a peer; the peers run mlx-lm's model as it comes.
+
 Closed loop like the HTTP client: at most `concurrency` requests in flight, a new one inserted as
 soon as one finishes. No stop tokens, so every request produces exactly `max_tokens` tokens, the
 same fixed-length outputs the servers are asked for.
@@ -76,9 +79,14 @@ def run_bare(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, conc
 
 
 def load(model_dir: str) -> tuple[Any, Any]:
-    from mlx_lm import load as mlx_load
+    """The model as Pomona's engine loads it (float32 on the CPU, with its CPU fast paths), so the
+    ratio of Pomona over HTTP to this loop is the cost of the serving stack alone."""
+    from pathlib import Path
 
-    return mlx_load(model_dir)
+    from engine.models import load_model
+
+    loaded = load_model(Path(model_dir))
+    return loaded.model, loaded.tokenizer
 
 
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int]) -> dict[str, Any]:
