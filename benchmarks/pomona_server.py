@@ -64,5 +64,6 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
     serve_run = [str(venv_bin / "serve"), "run", f"--address=127.0.0.1:{gcs_port}", str(config)]
     script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
     return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,
-                      env={**blas_env(), "RAY_TMPDIR": ray_tmp, "RAY_worker_niceness": "0"}, ready_timeout_s=900.0,
+                      env={**blas_env(), "RAY_TMPDIR": ray_tmp, "RAY_worker_niceness": "0",
+                           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}, ready_timeout_s=900.0,
                       cleanup_marker=ray_tmp, display=f"{shlex.join(ray_start)}\n{shlex.join(serve_run)}")

@@ -47,6 +47,8 @@ def test_auth_mode_is_always_explicit():
     assert node.ray_env(node.NodeOptions(head=True, auth="token"), {})["RAY_AUTH_MODE"] == "token"
     assert node.ray_env(opts, {})["RAY_worker_niceness"] == "0"  # the engine must not run at nice 15
     assert node.ray_env(opts, {"RAY_worker_niceness": "5"})["RAY_worker_niceness"] == "5"
+    assert node.ray_env(opts, {})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # controller CPU off the engine
+    assert node.ray_env(opts, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
 
 
 def test_dry_run_prints_the_command(capsys):
