@@ -174,3 +174,29 @@ def test_first_token_hold_auto_is_on_for_cpu_off_for_gpu():
         assert ids(s.schedule(BatchView(running=1, first_token_pending=1))) == admitted
     with pytest.raises(ValueError, match="first_token_first"):
         EngineConfig(first_token_first="sometimes")
+
+
+def test_long_prompts_prefill_one_after_another_on_cpu():
+    s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000), on_cpu=True)
+    for i, name in enumerate(("rag-1", "rag-2")):
+        s.add_request(Request(tuple(range(1000, 1558)), request_id=name, arrival_time=float(i)))
+    s.add_request(req(40, "short", t=2.0))
+    assert ids(s.schedule(BatchView())) == ["rag-1"]
+    busy = BatchView(running=1, prefilling=1, prefill_tokens_left=558, prefill_min_left=558, prefill_max_left=558)
+    assert ids(s.schedule(busy)) == []  # FCFS: the short one waits behind rag-2, which waits its turn
+    assert ids(s.schedule(BatchView(running=1))) == ["rag-2", "short"]
+
+
+def test_long_prompt_with_a_cached_prefix_still_joins():
+    s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000), on_cpu=True)
+    s.add_request(Request(tuple(range(1000, 1558)), request_id="hit"))  # 520 cached, 38 to compute
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=200, prefill_min_left=200, prefill_max_left=200,
+                     cached_length=lambda p: 520)
+    assert ids(s.schedule(view)) == ["hit"]
+
+
+def test_long_prompts_batch_together_off_the_cpu():
+    s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000), on_cpu=False)
+    for i, name in enumerate(("a", "b")):
+        s.add_request(Request(tuple(range(1000, 1558)), request_id=name, arrival_time=float(i)))
+    assert ids(s.schedule(BatchView())) == ["a", "b"]
