@@ -54,6 +54,7 @@ def _grouped(mask: mx.array, H: int, Hk: int, rep: int) -> mx.array:
 
 
 class CpuAttention(llama.Attention):
+    """mlx-lm's llama attention with the softmax of `attention` above; rope and cache as mlx-lm's."""
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
         if cache is not None and hasattr(cache, "bits"):  # quantized KV: mlx-lm's own path
@@ -72,6 +73,8 @@ class CpuAttention(llama.Attention):
 
 
 class CpuMLP(llama.MLP):
+    """mlx-lm's llama MLP with `silu_mul` in place of its compiled `swiglu`."""
+
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
