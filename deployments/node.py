@@ -128,7 +128,7 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> dict[
     # concurrent on a 2-core box once workers run at normal priority).
     env.setdefault("RAY_worker_niceness", "0")
     # Serve's controller reconciles every 0.1 s by default, ~3.7 ms of CPU each time (measured: 0.56
-    # CPU s per 15 s of load, 4% of a core taken from the engine on a 2-core Mac mini). Every 0.5 s
+    # CPU s per 15 s of load, 4% of a core taken from the engine on the 2-core Linux dev box). Every 0.5 s
     # still notices a dead replica or a config change within a second.
     env.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     return env
