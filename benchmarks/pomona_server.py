@@ -65,5 +65,8 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
     script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
     return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,
                       env={**blas_env(), "RAY_TMPDIR": ray_tmp, "RAY_worker_niceness": "0",
+                           # the same auth mode for `ray start` and `serve run` (a ~/.ray/auth_token left by
+                           # another Ray session would otherwise turn auth on for the head only)
+                           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
                            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}, ready_timeout_s=900.0,
                       cleanup_marker=ray_tmp, display=f"{shlex.join(ray_start)}\n{shlex.join(serve_run)}")

@@ -197,6 +197,8 @@ class Engine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 seq.advance(RequestStatus.DECODING)
+                arrived = seq.request.arrival_time
+                self.stats.record_first_token(now - arrived, (seq.admitted_at or now) - arrived)
             seq.output_tokens += 1
             seq.last_token_at = now
             events.append(self._token_event(seq, g))

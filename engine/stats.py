@@ -23,6 +23,11 @@ class EngineStats:
     steps: int = 0
     step_time_ema_ms: float = 0.0
     max_decode_stall_ms: float = 0.0  # longest step while sequences were decoding
+    # Engine-side latency sums (seconds, from arrival at the engine): compared with the ingress's
+    # TTFT histogram they split a slow first token into engine time and serving-stack time.
+    first_tokens: int = 0
+    ttft_seconds_sum: float = 0.0
+    queue_seconds_sum: float = 0.0
     _window: collections.deque = field(default_factory=collections.deque, repr=False)
 
     def record_step(self, seconds: float, generated: int, decoding: bool) -> None:
@@ -36,6 +41,11 @@ class EngineStats:
         self._window.append((now, generated))
         while self._window and now - self._window[0][0] > WINDOW_S:
             self._window.popleft()
+
+    def record_first_token(self, ttft_s: float, queued_s: float) -> None:
+        self.first_tokens += 1
+        self.ttft_seconds_sum += ttft_s
+        self.queue_seconds_sum += queued_s
 
     def tokens_per_s(self) -> float:
         if len(self._window) < 2:
@@ -52,6 +62,9 @@ class EngineStats:
             "requests_rejected": self.requests_rejected,
             "faults": self.faults,
             "direct_first_tokens": self.direct_first_tokens,
+            "first_tokens": self.first_tokens,
+            "ttft_seconds_sum": round(self.ttft_seconds_sum, 6),
+            "queue_seconds_sum": round(self.queue_seconds_sum, 6),
             "steps": self.steps,
             "step_time_ms": round(self.step_time_ema_ms, 3),
             "max_decode_stall_ms": round(self.max_decode_stall_ms, 3),

@@ -135,3 +135,22 @@ def test_config_resolves_auto_per_backend():
     assert EngineConfig(direct_first_token=32).direct_first_token_limit(on_cpu=False) == 32
     with pytest.raises(ValueError, match="direct_first_token"):
         EngineConfig(direct_first_token=0)
+
+
+@pytest.mark.parametrize("direct", [None, 256], ids=["batch-path", "direct-path"])
+def test_engine_records_time_to_first_token_and_queue_time(tiny_model_dir, direct):
+    """The engine's own TTFT and queue-time sums (what /metrics exports next to the ingress's TTFT
+    histogram): counted once per request, from arrival, with queue time never above TTFT."""
+    eng = make(tiny_model_dir, direct)
+    try:
+        prefix = warm(eng)
+        before = eng.stats.as_dict()
+        reqs = questions(prefix, max_tokens=3, temperature=0.0)
+        drive(eng, reqs)
+        after = eng.stats.as_dict()
+        assert after["first_tokens"] - before["first_tokens"] == len(reqs)
+        ttft = after["ttft_seconds_sum"] - before["ttft_seconds_sum"]
+        queued = after["queue_seconds_sum"] - before["queue_seconds_sum"]
+        assert ttft > 0 and 0 <= queued <= ttft
+    finally:
+        eng.close()
