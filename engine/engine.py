@@ -20,7 +20,7 @@ from engine.sampling import make_decoding, top_logprobs
 from engine.scheduler import BatchView, Scheduler
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.text import TextStream
+from engine.text import TextStream, TokensOnly, text_in_engine
 from engine.types import FinishReason, Request, RequestStatus, TokenEvent, TokenLogprob
 
 log = logging.getLogger("pomona.engine")
@@ -31,11 +31,14 @@ EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 emit: Callable[[list[TokenEvent]], None] | None = None) -> None:
+                 emit: Callable[[list[TokenEvent]], None] | None = None, consumer_text: bool = False) -> None:
         """`emit`, when given, takes a direct first token as soon as it is sampled (the loop delivers
-        it to its stream) instead of at the end of the step, which still runs a batch step after it."""
+        it to its stream) instead of at the end of the step, which still runs a batch step after it.
+        With `consumer_text`, events of requests without stop strings carry token ids and no text:
+        the consumer makes it (`engine.text.ConsumerText`, as `AsyncEngine.stream` does)."""
         self.config = config
         self._emit = emit
+        self._consumer_text = consumer_text
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
@@ -68,9 +71,14 @@ class Engine:
         timeout = self.config.request_timeout_s
         self.seqs[request.request_id] = Sequence(
             request=request,
-            text=TextStream(self.tokenizer.detokenizer, request.params.stop),
+            text=self._text_stream(request.params.stop),
             deadline=None if timeout is None else request.arrival_time + timeout,
         )
+
+    def _text_stream(self, stops: tuple[str, ...]) -> TextStream | TokensOnly:
+        if self._consumer_text and not text_in_engine(stops):
+            return TokensOnly()
+        return TextStream(self.tokenizer.detokenizer, stops)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                       error: str | None = None, code: str | None = None) -> list[TokenEvent]:

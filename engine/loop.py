@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from cache_tiers.store import PrefixStore
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.text import ConsumerText, text_in_engine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, Request, SamplingParams,
                           TokenEvent)
 
@@ -126,6 +127,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = stream
         self._commands.put(("add", request))
+        # Requests without stop strings are detokenized here, on the caller's thread, not the MLX one.
+        text = None if text_in_engine(request.params.stop) else ConsumerText(lambda: self.tokenizer.detokenizer)
         finished = False
         try:
             while not finished:
@@ -136,7 +139,7 @@ class AsyncEngine:
                     if isinstance(item, BaseException):
                         raise item
                 finished = batch[-1].finished
-                yield batch
+                yield batch if text is None else text.fill(batch)
         finally:
             if not finished:
                 self.abort(request.request_id)
@@ -229,7 +232,7 @@ class AsyncEngine:
         if self.config.max_model_len:
             self.context_length = min(self.context_length, self.config.max_model_len)
         engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded),
-                        emit=self._deliver)
+                        emit=self._deliver, consumer_text=True)
         self._engine = engine
         self._warm_up(engine)
         self._publish_stats(engine)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.text import TextStream
+from engine.text import TextStream, TokensOnly
 from engine.types import FinishReason, Request, RequestStatus, Usage
 
 
 @dataclass
 class Sequence:
     request: Request
-    text: TextStream
+    text: TextStream | TokensOnly
     status: RequestStatus = RequestStatus.WAITING
     cached_tokens: int = 0
     cache_tier: str | None = None

@@ -8,9 +8,11 @@ a client never receives text that is later "taken back", and the stop string its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+
+from engine.types import FinishReason, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -142,3 +144,56 @@ class TextStream:
         delta = text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return TextDelta(delta, False)
+
+
+_NOTHING = TextDelta("", False)
+
+
+class TokensOnly:
+    """Stands in for `TextStream` in the engine when the consumer detokenizes (see `ConsumerText`).
+
+    Only requests without stop strings qualify: nothing then depends on the text inside the engine,
+    and detokenizing on the consumer's thread takes that per-token Python off the MLX thread (on a
+    GPU it otherwise adds to every step at high concurrency; run D/E in docs/accelerators.md).
+    """
+
+    done = False
+    text = ""
+
+    def add(self, token: int) -> TextDelta:
+        return _NOTHING
+
+    def finish(self) -> TextDelta:
+        return _NOTHING
+
+
+def text_in_engine(stops: Sequence[str]) -> bool:
+    """Whether a request's text must be made in the engine: stop strings end generation there."""
+    return bool(stops)
+
+
+class ConsumerText:
+    """The text of a `TokensOnly` request, made from its events on the consumer's side.
+
+    The same deltas the engine's `TextStream` would have put in the events: a token ending the
+    request with `STOP` is an EOS or stop token and not part of the text; the held-back tail is
+    flushed on a normal ending (stop, length) and dropped on an abort or error, as the engine does.
+    """
+
+    def __init__(self, detokenizer: Callable[[], Any]) -> None:
+        self._detokenizer = detokenizer  # called at the first event: the tokenizer loads with the model
+        self._stream: TextStream | None = None
+
+    def fill(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        if self._stream is None:
+            self._stream = TextStream(self._detokenizer())
+        out = []
+        for e in events:
+            text = e.text
+            if e.token_id is not None and e.finish_reason in (None, FinishReason.LENGTH):
+                text += self._stream.add(e.token_id).text
+            if e.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                text += self._stream.finish().text
+            out.append(e if text == e.text else TokenEvent(e.request_id, e.token_id, text, e.logprob,
+                                                           e.finish_reason, e.usage, e.error, e.error_code))
+        return out
