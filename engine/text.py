@@ -157,9 +157,6 @@ class TokensOnly:
     GPU it otherwise adds to every step at high concurrency; run D/E in docs/accelerators.md).
     """
 
-    done = False
-    text = ""
-
     def add(self, token: int) -> TextDelta:
         return _NOTHING
 

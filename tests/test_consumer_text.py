@@ -57,6 +57,15 @@ def texts_by_event(batches: list[list[TokenEvent]], consumer: ConsumerText | Non
     return rows
 
 
+def assert_same_text(eng: Engine, got: dict[str, list[list[TokenEvent]]],
+                     ref: dict[str, list[list[TokenEvent]]]) -> None:
+    """`got` (token ids only, text made by a `ConsumerText` per request) reads as `ref` does."""
+    for rid in ref:
+        assert all(e.text == "" for batch in got[rid] for e in batch)  # the engine made no text
+        consumer = ConsumerText(lambda: eng.tokenizer.detokenizer)
+        assert texts_by_event(got[rid], consumer) == texts_by_event(ref[rid], None)
+
+
 @pytest.mark.parametrize("params", [
     dict(max_tokens=40, temperature=1.0, seed=3),          # random tokens: partial UTF-8 pieces
     dict(max_tokens=12, temperature=0.0),
@@ -65,12 +74,7 @@ def texts_by_event(batches: list[list[TokenEvent]], consumer: ConsumerText | Non
 def test_consumer_text_equals_engine_text(tiny_model_dir, params):
     ref_eng, eng = make(tiny_model_dir, False), make(tiny_model_dir, True)
     try:
-        ref = drive(ref_eng, requests(ref_eng, **params))
-        got = drive(eng, requests(eng, **params))
-        for rid in ref:
-            assert all(e.text == "" for batch in got[rid] for e in batch)  # the engine made no text
-            consumer = ConsumerText(lambda: eng.tokenizer.detokenizer)
-            assert texts_by_event(got[rid], consumer) == texts_by_event(ref[rid], None)
+        assert_same_text(eng, drive(eng, requests(eng, **params)), drive(ref_eng, requests(ref_eng, **params)))
     finally:
         ref_eng.close()
         eng.close()
@@ -86,9 +90,7 @@ def test_stop_token_and_abort_endings_match(tiny_model_dir):
         got = drive(eng, requests(eng, **params), abort_after=3)
         assert ref["r0"][-1][-1].finish_reason is FinishReason.ABORT
         assert ref["r1"][-1][-1].finish_reason is FinishReason.STOP
-        for rid in ref:
-            consumer = ConsumerText(lambda: eng.tokenizer.detokenizer)
-            assert texts_by_event(got[rid], consumer) == texts_by_event(ref[rid], None)
+        assert_same_text(eng, got, ref)
     finally:
         ref_eng.close()
         eng.close()
