@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
 
 from cache_tiers.factory import build_store
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.runner import last_logits
 from engine.types import FinishReason, Request, SamplingParams, TokenEvent
 from engine_helpers import tiny_loader
 
@@ -154,3 +158,30 @@ def test_engine_records_time_to_first_token_and_queue_time(tiny_model_dir, direc
         assert ttft > 0 and 0 <= queued <= ttft
     finally:
         eng.close()
+
+
+class _Scaled(llama.Model):
+    """An architecture whose call does more than body + head: it must get the full call."""
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        return super().__call__(inputs, cache, input_embeddings) * 0.5
+
+
+@pytest.mark.parametrize("cls,tied", [(llama.Model, True), (llama.Model, False), (_Scaled, True)])
+def test_last_logits_equal_the_full_calls_last_row(cls, tied):
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97,
+                           tie_word_embeddings=tied)
+    mx.random.seed(3)
+    model = cls(args)
+    prefix, rest = mx.array([[5, 17, 42, 3, 9]]), mx.array([[11, 7, 60, 2]])
+    full_cache, last_cache = make_prompt_cache(model), make_prompt_cache(model)
+    model(prefix, cache=full_cache), model(prefix, cache=last_cache)
+    want = model(rest, cache=full_cache)[:, -1, :]
+    got = last_logits(model, rest, last_cache)
+    assert got.shape == (1, 97)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    # Both leave the same cache behind: the next token continues from the whole rest.
+    assert [c.offset for c in last_cache] == [c.offset for c in full_cache] == [9, 9]
+    assert mx.allclose(model(mx.array([[4]]), cache=last_cache), model(mx.array([[4]]), cache=full_cache),
+                       atol=1e-5).item()
