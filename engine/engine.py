@@ -117,15 +117,16 @@ class Engine:
                    if s.status is not RequestStatus.WAITING)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
+    def step(self, refill: Callable[[], int] | None = None) -> list[TokenEvent]:
+        """One step. `refill`, when given, queues requests that arrived meanwhile (returns how many
+        commands it handled); it is called after a direct first-token admission, see `_admit_waiting`."""
         # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
         events = self._expire() if self._clock() >= self._next_expiry else []
         decoding = len(self.runner) > len(self._prefilling)
         started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
         if len(self.scheduler):
-            for request in self.scheduler.schedule(self.view()).admit:
-                events += self._admit(self.seqs[request.request_id])
+            events += self._admit_waiting(refill)
             if self.memory is not None:
                 self.memory.rebalance(self._reserved_tokens())
         try:
@@ -135,6 +136,28 @@ class Engine:
         self.stats.record_step(time.perf_counter() - started, len(generated), decoding)
         self._on_prompts(prompts)
         return events + self._on_generated(generated)
+
+    def _admit_waiting(self, refill: Callable[[], int] | None) -> list[TokenEvent]:
+        """Admit what the scheduler lets in; after direct first-token admissions, take in what arrived
+        during their prefills and admit again, up to `prefill_batch` direct admissions in the step.
+
+        Why: a direct prefill takes a few hundred milliseconds on a CPU, and prefix hits tend to come
+        in groups (clients whose requests finished in the same step send their next ones together).
+        A hit that arrives during another's prefill would otherwise wait for the batch step and the
+        previous newcomer's join before its own prefill starts; admitted now, all of them join the
+        batch in one step. The bound keeps a stream of hits from holding the running batch up for
+        more than `prefill_batch` prefills.
+        """
+        events: list[TokenEvent] = []
+        direct_before = self.stats.direct_first_tokens
+        while True:
+            round_before = self.stats.direct_first_tokens
+            for request in self.scheduler.schedule(self.view()).admit:
+                events += self._admit(self.seqs[request.request_id])
+            direct_now = self.stats.direct_first_tokens
+            if (refill is None or direct_now == round_before
+                    or direct_now - direct_before >= self.config.prefill_batch or not refill()):
+                return events
 
     def _admit(self, seq: Sequence) -> list[TokenEvent]:
         tokens = seq.request.prompt_tokens

@@ -213,7 +213,7 @@ class AsyncEngine:
             handled = self._handle_commands(engine, block=not engine.has_work())
             if handled is None:
                 break
-            events = engine.step() if engine.has_work() else []
+            events = engine.step(refill=self._refill) if engine.has_work() else []
             # Publish before delivering final events, so a caller who saw its request end also
             # sees the counters that include it.
             if handled or time.monotonic() - last_stats > STATS_EVERY_S or any(e.finished for e in events):
@@ -264,6 +264,22 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return handled
+
+    def _refill(self) -> int:
+        """Inside a step: take in the requests and aborts that arrived meanwhile. Anything else (a
+        stop, a call that may reset the engine) goes back to the queue for the loop, after this step."""
+        engine, handled = self._engine, 0
+        while engine is not None:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind not in ("add", "abort"):
+                self._commands.put((kind, arg))
+                break
+            self._handle(engine, kind, arg)
+            handled += 1
+        return handled
 
     def _handle(self, engine: Engine, kind: str, arg: Any) -> None:
         if kind == "add":

@@ -185,3 +185,54 @@ def test_last_logits_equal_the_full_calls_last_row(cls, tied):
     assert [c.offset for c in last_cache] == [c.offset for c in full_cache] == [9, 9]
     assert mx.allclose(model(mx.array([[4]]), cache=last_cache), model(mx.array([[4]]), cache=full_cache),
                        atol=1e-5).item()
+
+
+def _arrivals(eng: Engine, pending: list[Request], calls: list[int]):
+    """A `refill` that queues one more request each time the step asks (as arrivals during a prefill)."""
+    def refill() -> int:
+        calls.append(len(pending))
+        if not pending:
+            return 0
+        eng.add_request(pending.pop(0))
+        return 1
+    return refill
+
+
+def test_hits_arriving_during_a_direct_prefill_are_admitted_in_the_same_step(tiny_model_dir):
+    eng = make(tiny_model_dir, 256)
+    try:
+        prefix = warm(eng)
+        first, *later = questions(prefix, max_tokens=5, temperature=0.0)
+        eng.add_request(first)
+        calls: list[int] = []
+        events = eng.step(refill=_arrivals(eng, later, calls))
+        assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1", "q2"]
+        assert len(calls) == 3  # asked after each direct admission, and once more to find nobody
+        assert len(eng.runner) == 3  # all three joined the batch in this step
+        while eng.has_work():
+            events += eng.step()
+        for request_id in ("q0", "q1", "q2"):
+            mine = [e for e in events if e.request_id == request_id]
+            assert sum(1 for e in mine if e.token_id is not None) == 5
+            assert mine[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        eng.close()
+
+
+def test_refill_is_bounded_by_prefill_batch_and_skipped_without_a_direct_admission(tiny_model_dir):
+    eng = make(tiny_model_dir, 256, prefill_batch=2)
+    try:
+        prefix = warm(eng)
+        first, *later = questions(prefix, max_tokens=3, temperature=0.0)
+        eng.add_request(first)
+        calls: list[int] = []
+        events = eng.step(refill=_arrivals(eng, later, calls))
+        assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1"]
+        assert len(calls) == 1 and len(eng.scheduler) == 0 and [r.request_id for r in later] == ["q2"]
+        cold = Request(tuple(range(60, 90)), SamplingParams(max_tokens=3, temperature=0.0), request_id="cold")
+        eng.add_request(cold)
+        calls.clear()
+        eng.step(refill=_arrivals(eng, later, calls))
+        assert calls == []  # a prompt with no cached prefix takes the batch path: nobody is pulled in
+    finally:
+        eng.close()
