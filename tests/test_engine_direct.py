@@ -198,14 +198,18 @@ def _arrivals(eng: Engine, pending: list[Request], calls: list[int]):
     return refill
 
 
+def _step_with_arrivals(eng: Engine, max_tokens: int) -> tuple[list[TokenEvent], list[Request], list[int]]:
+    """Warm the cache, queue one hit and step; two more hits arrive whenever the step asks."""
+    first, *later = questions(warm(eng), max_tokens=max_tokens, temperature=0.0)
+    eng.add_request(first)
+    calls: list[int] = []
+    return eng.step(refill=_arrivals(eng, later, calls)), later, calls
+
+
 def test_hits_arriving_during_a_direct_prefill_are_admitted_in_the_same_step(tiny_model_dir):
     eng = make(tiny_model_dir, 256)
     try:
-        prefix = warm(eng)
-        first, *later = questions(prefix, max_tokens=5, temperature=0.0)
-        eng.add_request(first)
-        calls: list[int] = []
-        events = eng.step(refill=_arrivals(eng, later, calls))
+        events, _, calls = _step_with_arrivals(eng, max_tokens=5)
         assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1", "q2"]
         assert len(calls) == 3  # asked after each direct admission, and once more to find nobody
         assert len(eng.runner) == 3  # all three joined the batch in this step
@@ -222,11 +226,7 @@ def test_hits_arriving_during_a_direct_prefill_are_admitted_in_the_same_step(tin
 def test_refill_is_bounded_by_prefill_batch_and_skipped_without_a_direct_admission(tiny_model_dir):
     eng = make(tiny_model_dir, 256, prefill_batch=2)
     try:
-        prefix = warm(eng)
-        first, *later = questions(prefix, max_tokens=3, temperature=0.0)
-        eng.add_request(first)
-        calls: list[int] = []
-        events = eng.step(refill=_arrivals(eng, later, calls))
+        events, later, calls = _step_with_arrivals(eng, max_tokens=3)
         assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1"]
         assert len(calls) == 1 and len(eng.scheduler) == 0 and [r.request_id for r in later] == ["q2"]
         cold = Request(tuple(range(60, 90)), SamplingParams(max_tokens=3, temperature=0.0), request_id="cold")
