@@ -128,6 +128,8 @@ class OpenAIServer:
         self.created = int(time.time())
         self.ready: Ready | None = None
         self._tokenizer: Any = None
+        self._vocab_size = 0
+        self._load_lock = asyncio.Lock()
         # One thread for all tokenizer work: HF fast tokenizers may refuse concurrent use
         # ("Already borrowed"), and tokenizing a long prompt must not stall other streams.
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
@@ -138,11 +140,14 @@ class OpenAIServer:
         """Ask a replica for its info; load the tokenizer once (after the replica resolved the model)."""
         try:
             info = await asyncio.wait_for(self.backend.info(), POLL_TIMEOUT_S)
-            if self._tokenizer is None:
-                loop = asyncio.get_running_loop()
-                self._tokenizer = await loop.run_in_executor(self._tok_pool, self._load_tokenizer)
-            vocab = len(await self._on_tok(lambda: self._tokenizer.get_vocab()))
-            self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=vocab)
+            async with self._load_lock:  # a poll and a request's refresh may overlap
+                if self._tokenizer is None:
+                    tokenizer = await self._on_tok(self._load_tokenizer)
+                    # Once per load: `get_vocab()` builds a dict of the whole vocabulary (~65 ms for
+                    # 49K tokens), and this poll runs every few seconds beside the forward pass.
+                    self._vocab_size = len(await self._on_tok(tokenizer.get_vocab))
+                    self._tokenizer = tokenizer
+            self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=self._vocab_size)
         except Exception as exc:  # any failure means "not ready now": keep polling
             log.debug("readiness poll failed", exc_info=True)
             if self.ready is not None:

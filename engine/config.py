@@ -23,7 +23,9 @@ class CacheConfig:
     ssd_dir: str | None = None  # None: no SSD tier
     ssd_bytes: int = 8 * 2**30
     block_size: int = 64  # tokens per hash-chain block on the SSD tier
-    min_restore_tokens: int = 32  # shorter prefixes are recomputed, not restored
+    # Shorter prefixes are recomputed, not restored. 16 serves the chat template's default system
+    # prompt (SmolLM2: 24 tokens) from the cache, as mlx_lm.server does.
+    min_restore_tokens: int = 16
     write_queue: int = 64
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
@@ -66,6 +68,7 @@ class EngineConfig:
     # the batch and sample the first token at once: mlx-lm returns a new prompt's first token only
     # after three batch steps, each carrying the running batch's decode. "auto": up to prefill_chunk
     # tokens on the CPU backend, off on GPUs (there batched prefill is cheaper and a step is short).
+    # Only hits whose cached prefix is at least as long as the rest take it (see Engine._admit).
     direct_first_token: int | str | None = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for

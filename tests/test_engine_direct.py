@@ -111,6 +111,28 @@ def test_longer_rest_than_the_limit_takes_the_batch_path(tiny_model_dir):
         eng.close()
 
 
+def test_a_short_cached_start_is_restored_in_the_batch_not_directly(tiny_model_dir):
+    """A hit covering less than half of its prompt (a shared system prompt, say) is mostly a new
+    prompt: it prefills in the batch on top of its cached start, with the tokens a cold run gives."""
+    outputs = {}
+    for warmed in (False, True):
+        eng = make(tiny_model_dir, 256)
+        try:
+            start = tuple(eng.tokenizer.encode(PREFIX))[:10]
+            if warmed:
+                drive(eng, [Request(start + (5,), SamplingParams(max_tokens=2, temperature=0.0), request_id="w")])
+            requests = [Request(start + tuple(range(40 + i, 62 + i)), SamplingParams(max_tokens=6, temperature=0.0),
+                                request_id=f"r{i}") for i in range(3)]  # rests of 22 tokens on 10 cached
+            out = drive(eng, requests)
+            outputs[warmed] = {k: summary(v) for k, v in out.items()}
+            cached = [v[-1].usage.cached_tokens for v in out.values()]
+            assert eng.stats.direct_first_tokens == 0
+            assert all(8 <= c <= 10 for c in cached) if warmed else cached == [0, 0, 0]
+        finally:
+            eng.close()
+    assert outputs[True] == outputs[False]
+
+
 def test_first_token_can_end_the_request(tiny_model_dir):
     eng = make(tiny_model_dir, 256)
     try:

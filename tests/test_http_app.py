@@ -40,3 +40,32 @@ def test_key_check_compares_every_key():
     mw = ApiKeyMiddleware(app=None, keys=("a" * 40, "b"), metrics=IngressMetrics())  # type: ignore[arg-type]
     assert mw.allowed("b") and mw.allowed("a" * 40)
     assert not mw.allowed("") and not mw.allowed("a") and not mw.allowed("c")
+
+
+class CountingTokenizer:
+    """Counts `get_vocab` calls: each builds a dict of the whole vocabulary."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.vocab_calls = size, 0
+
+    def get_vocab(self) -> dict[str, int]:
+        self.vocab_calls += 1
+        return {f"t{i}": i for i in range(self.size)}
+
+
+class InfoOnly(NoReplica):
+    async def info(self) -> dict[str, Any]:
+        return {"model": "m"}
+
+
+def test_vocabulary_is_read_once_and_bounds_prompt_token_ids():
+    tokenizer = CountingTokenizer(50)
+    server = OpenAIServer(AppSettings.from_args({"model": "m"}), InfoOnly(), load_tokenizer=lambda: tokenizer)
+    with TestClient(server.app()) as client:
+        for _ in range(3):
+            client.portal.call(server.refresh)  # readiness polls, as the poller runs them
+        assert server.ready is not None and server.ready.vocab_size == 50
+        assert tokenizer.vocab_calls == 1
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [3, 50]})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "prompt" and "below the vocabulary size 50" in r.json()["error"]["message"]
