@@ -1,0 +1,400 @@
+"""Anthropic Messages: request parsing, the whole and streamed renderings (hand-made outputs), and
+the routes through the real app and engine in process with the official `anthropic` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import anthropic
+import httpx2
+import jsonschema
+import pytest
+
+from agent_helpers import SCHEMAS
+from deployments.anthropic_api import BlockWriter, content_blocks, error_event, stop_reason, tool_use_id, usage_body
+from deployments.anthropic_request import parse_messages_request
+from deployments.engine_host import EngineHost, load_tokenizer
+from deployments.http_app import OpenAIServer
+from deployments.settings import AppSettings
+from deployments.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd,
+                                      ToolCallStart, Usage)
+from deployments.errors import ApiError, server_error
+from deployments.openai_types import Limits
+from e2e_helpers import tiny_args
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+LIMITS = Limits()
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather for a city.", "input_schema": SCHEMAS["get_weather"]}
+SEARCH_TOOL = {"name": "search_docs", "description": "Search the docs.", "input_schema": SCHEMAS["search_docs"]}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def parse(body: dict, counting: bool = False):
+    full = {"model": "tiny", "max_tokens": 64, "messages": ASK, **body}
+    return parse_messages_request({k: v for k, v in full.items() if v is not None}, LIMITS, 4096, counting)
+
+
+def refused(body: dict) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    err = info.value
+    assert err.status == 400 and err.message
+    assert err.anthropic_body()["type"] == "error" and err.anthropic_body()["error"]["type"] == "invalid_request_error"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def test_every_block_type_and_the_fields_agents_send():
+    conv = parse({
+        "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+                   {"type": "text", "text": "Use tools."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Need the tool.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "celsius"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "21C"}]}]},
+            {"role": "user", "content": "Thanks"}],
+        "tools": [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "stop_sequences": ["\n\nHuman:", "END"], "temperature": 0.5, "top_p": 0.9, "top_k": 40,
+        "metadata": {"user_id": "u1"}, "cache_control": {"type": "ephemeral"}, "service_tier": "auto",
+        "container": None, "inference_geo": "us", "a_field_from_next_year": {"x": 1}, "stream": True})
+    roles = [m.role for m in conv.messages]
+    assert roles == ["system", "user", "assistant", "tool", "user"]
+    assert conv.messages[0].content == "You are terse.\n\nUse tools."
+    assistant = conv.messages[2]
+    assert assistant.content == "Checking." and assistant.reasoning == "Need the tool."
+    assert assistant.tool_calls == (ToolCall("toolu_1", "get_weather", '{"city": "Paris", "unit": "celsius"}'),)
+    tool = conv.messages[3]
+    assert (tool.content, tool.tool_call_id, tool.name) == ("21C", "toolu_1", "get_weather")
+    assert [t.name for t in conv.tools] == ["get_weather"] and conv.tools[0].parameters == SCHEMAS["get_weather"]
+    assert conv.tool_choice.mode == "auto" and conv.parallel_tool_calls is False
+    s = conv.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.stop) == (0.5, 0.9, 40, ("\n\nHuman:", "END"))
+    assert conv.stream and conv.max_tokens == 64 and conv.n == 1
+
+
+def test_tool_results_come_first_in_order_then_the_turns_text():
+    conv = parse({"messages": [
+        ASK[0],
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {"city": "Oslo", "unit": "celsius"}},
+            {"type": "tool_use", "id": "toolu_b", "name": "search_docs", "input": {"query": "oslo"}}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Here you go."},
+            {"type": "tool_result", "tool_use_id": "toolu_a", "content": "3C"},
+            {"type": "tool_result", "tool_use_id": "toolu_b", "content": "no docs", "is_error": True},
+            {"type": "text", "text": "Summarise."}]}]})
+    tail = conv.messages[2:]
+    assert [(m.role, m.tool_call_id, m.name, m.content) for m in tail] == [
+        ("tool", "toolu_a", "get_weather", "3C"), ("tool", "toolu_b", "search_docs", "Error: no docs"),
+        ("user", None, None, "Here you go.\n\nSummarise.")]
+    only_results = parse({"messages": [ASK[0], {"role": "assistant", "content": "x"}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t"}]}]})
+    assert [m.role for m in only_results.messages] == ["user", "assistant", "tool"]
+
+
+@pytest.mark.parametrize("choice, mode, name, parallel", [
+    (None, "auto", None, True), ({"type": "auto"}, "auto", None, True), ({"type": "any"}, "required", None, True),
+    ({"type": "tool", "name": "search_docs"}, "named", "search_docs", True), ({"type": "none"}, "none", None, True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", None, False),
+])
+def test_tool_choice_mapping(choice, mode, name, parallel):
+    conv = parse({"tools": [WEATHER_TOOL, SEARCH_TOOL], "tool_choice": choice})
+    assert (conv.tool_choice.mode, conv.tool_choice.name, conv.parallel_tool_calls) == (mode, name, parallel)
+
+
+@pytest.mark.parametrize("thinking, expected", [
+    ({"type": "enabled", "budget_tokens": 2048}, True), ({"type": "adaptive"}, True),
+    ({"type": "disabled"}, False), ({"type": "from_the_future"}, None), (None, None),
+])
+def test_thinking_sets_the_templates_switch_and_never_fails(thinking, expected):
+    kwargs = dict(parse({"thinking": thinking}).chat_template_kwargs)
+    assert kwargs.get("enable_thinking") == expected
+
+
+def test_output_config_schema_takes_the_grammar_path():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    conv = parse({"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": schema}}})
+    assert (conv.output_format.kind, conv.output_format.schema) == ("json_schema", schema)
+    assert conv.format_param == "output_config.format"
+    beta = parse({"output_format": {"type": "json_schema", "schema": schema}})
+    assert beta.output_format.schema == schema
+    assert parse({"output_config": {"effort": "low"}}).output_format.kind == "text"
+    assert refused({"output_config": {"format": {"type": "json_object"}}}).param == "output_config.format"
+
+
+def test_max_tokens_required_and_clamped_to_the_servers_limit():
+    err = refused({"max_tokens": None})
+    assert err.param == "max_tokens" and "required" in err.message
+    assert parse({"max_tokens": 32000}).max_tokens == 4096
+    assert refused({"max_tokens": 0}).param == "max_tokens"
+    assert parse({"max_tokens": None}, counting=True).max_tokens is None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]}, "tools[0]", "web_search_20250305"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0]", "bash_20250124"),
+    ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers", "MCP"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]},
+     "messages[0].content[0]", "image"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "document", "source": {}}]}]}]}, "messages[0].content[0].content[0]", "text"),
+    ({"messages": [ASK[0], {"role": "assistant", "content": "The answer is ("}]}, "messages[1]", "prefill"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "system"),
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": "hi"}, "messages", "array"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content[0]", "None"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]},
+     "messages[0].content[0]", "tool_use"),
+    ({"messages": [ASK[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "x",
+                                                              "input": [1]}]}, ASK[0]]},
+     "messages[1].content[0].input", "object"),
+    ({"system": 5}, "system", "string"),
+    ({"tools": [{"name": "x"}]}, "tools[0].input_schema", "required"),
+    ({"tools": [{"name": "bad name!", "input_schema": {"type": "object"}}]}, "tools[0].name", "letters"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "unique"),
+    ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER_TOOL]}, "tool_choice", "nope"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "no tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "auto"),
+    ({"stop_sequences": "END"}, "stop_sequences", "array"),
+    ({"stop_sequences": [""]}, "stop_sequences", "empty"),
+    ({"temperature": "hot"}, "temperature", "number"),
+    ({"thinking": True}, "thinking", "object"),
+    ({"model": None}, "model", "required"),
+    ({"max_tokens": "many"}, "max_tokens", "integer"),
+])
+def test_bad_bodies_are_400s_that_say_what_to_fix(body, param, words):
+    err = refused(body)
+    assert err.param == param, err.message
+    assert words.lower() in err.message.lower()
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+CALL = ToolCall("call_abc", "get_weather", '{"city": "Paris", "unit": "celsius"}')
+
+
+def completion(**kw) -> Completion:
+    values = dict(text="", reasoning="", tool_calls=(), finish="stop", usage=Usage(30, 5, 12))
+    return Completion(**{**values, **kw})
+
+
+def test_whole_message_blocks_stop_reasons_and_usage():
+    c = completion(text="Let me check.", reasoning="The user wants weather.", tool_calls=(CALL,), finish="tool_calls")
+    blocks = content_blocks(c)
+    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert blocks[0]["thinking"] == "The user wants weather." and blocks[0]["signature"]
+    assert blocks[2] == {"type": "tool_use", "id": "toolu_abc", "name": "get_weather",
+                         "input": {"city": "Paris", "unit": "celsius"}}
+    assert stop_reason(c) == "tool_use"
+    assert content_blocks(completion(tool_calls=(CALL,), finish="tool_calls"))[0]["type"] == "tool_use"
+    assert content_blocks(completion()) == [{"type": "text", "text": ""}]
+    assert stop_reason(completion(finish="length")) == "max_tokens"
+    assert stop_reason(completion(stop_sequence="END")) == "stop_sequence"
+    assert stop_reason(completion()) == "end_turn"
+    # Anthropic's input_tokens exclude cache reads: the two add up to the prompt.
+    assert usage_body(Usage(30, 5, 12)) == {"input_tokens": 18, "output_tokens": 5, "cache_read_input_tokens": 12,
+                                            "cache_creation_input_tokens": 0}
+    cut = ToolCall("call_x", "get_weather", '{"city": "Pa')  # cut off by max_tokens after its start
+    assert content_blocks(completion(tool_calls=(cut,), finish="length"))[0]["input"] == {}
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for part in text.split("\n\n"):
+        if part:
+            name, data = part.split("\n")
+            assert name.startswith("event: ") and data.startswith("data: ")
+            body = json.loads(data[6:])
+            assert body["type"] == name[7:]
+            out.append((name[7:], body))
+    return out
+
+
+def test_stream_blocks_in_order_with_arguments_in_pieces():
+    events = [ReasoningDelta("Hmm, "), ReasoningDelta("weather."), TextDelta(""), TextDelta("Checking"),
+              TextDelta("."), ToolCallStart(0, "call_abc", "get_weather"), ToolArgsDelta(0, '{"city": "Pa'),
+              ToolArgsDelta(0, 'ris", "unit": "celsius"}'), ToolCallEnd(0, CALL),
+              ToolCallStart(1, "call_def", "search_docs"), ToolArgsDelta(1, '{"query": "x"}'),
+              ToolCallEnd(1, ToolCall("call_def", "search_docs", '{"query": "x"}'))]
+    writer = BlockWriter()
+    got = sse_events("".join(writer.feed(e) for e in events) + writer.finish())
+    assert [(n, b.get("index"), b.get("delta", b.get("content_block", {})).get("type")) for n, b in got] == [
+        ("content_block_start", 0, "thinking"), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"), ("content_block_delta", 1, "text_delta"),
+        ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_delta", 2, "input_json_delta"), ("content_block_stop", 2, None),
+        ("content_block_start", 3, "tool_use"), ("content_block_delta", 3, "input_json_delta"),
+        ("content_block_stop", 3, None)]
+    start = got[9][1]["content_block"]
+    assert start == {"type": "tool_use", "id": tool_use_id("call_abc"), "name": "get_weather", "input": {}}
+    pieces = "".join(b["delta"]["partial_json"] for n, b in got if b.get("index") == 2 and n == "content_block_delta")
+    assert pieces == CALL.arguments
+    whole = content_blocks(completion(text="Checking.", reasoning="Hmm, weather.", tool_calls=(CALL,)))
+    assert got[3][1]["delta"]["signature"] == whole[0]["signature"]  # the same block either way
+    assert start["id"] == whole[2]["id"]
+
+
+def test_stream_of_nothing_still_has_one_text_block_and_whole_calls_get_their_arguments():
+    writer = BlockWriter()
+    assert [n for n, _ in sse_events(writer.finish())] == ["content_block_start", "content_block_stop"]
+    writer = BlockWriter()
+    got = sse_events(writer.feed(ToolCallStart(0, "call_q", "search_docs")) +
+                     writer.feed(ToolCallEnd(0, ToolCall("call_q", "search_docs", '{"query": "y"}'))) + writer.finish())
+    assert [n for n, _ in got] == ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert json.loads(got[1][1]["delta"]["partial_json"]) == {"query": "y"}
+
+
+def test_error_event_shape():
+    name, body = sse_events(error_event(server_error("boom; retry")))[0]
+    assert name == "error" and body == {"type": "error", "error": {"type": "api_error", "message": "boom; retry"}}
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+class Replica:
+    """The engine host as the ingress reaches it (Ray's handle makes every call awaitable)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def stream(self, prompt_tokens, params, request_id):
+        return self.host.stream(prompt_tokens, params, request_id)
+
+    async def info(self):
+        return self.host.info()
+
+    async def stats(self):
+        return self.host.stats()
+
+    async def start(self):
+        await self.host.start()
+
+    async def shutdown(self, drain_s):
+        await self.host.shutdown(drain_s)
+
+
+@contextlib.asynccontextmanager
+async def served(model_dir, **app_args):
+    """The real app on a real engine in this process; an httpx client whose transport is the app."""
+    settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
+    replica = Replica(EngineHost(settings.engine))
+    await replica.start()
+    server = OpenAIServer(settings, replica, lambda: load_tokenizer(str(model_dir)), api_keys=settings.api_keys)
+    try:
+        await server.refresh()
+        assert server.ready is not None, "the in-process engine did not become ready"
+        # The anthropic SDK speaks httpx2 (it refuses httpx objects): the same API, another package.
+        transport = httpx2.ASGITransport(app=server.app())
+        async with httpx2.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
+            yield client
+    finally:
+        await replica.shutdown(0)
+
+
+def run(model_dir, body, key="x", **app_args):
+    """Run `body(client, http)` against a fresh in-process app, with the official SDK."""
+    async def main():
+        async with served(model_dir, **app_args) as http:
+            client = anthropic.AsyncAnthropic(base_url="http://pomona.test", api_key=key,
+                                              http_client=http, max_retries=0)
+            return await body(client, http)
+    return asyncio.run(main())
+
+
+def test_message_stream_and_count_tokens_over_the_app(tiny_model_dir):
+    system = "You answer in one short sentence."
+
+    async def body(client, http):
+        whole = await client.messages.create(model="tiny", max_tokens=12, system=system, messages=ASK,
+                                             extra_body={"ignore_eos": True, "temperature": 0})
+        async with client.messages.stream(model="tiny", max_tokens=12, system=system, messages=ASK,
+                                          extra_body={"ignore_eos": True, "temperature": 0}) as stream:
+            events = [e.type async for e in stream]
+            final = await stream.get_final_message()
+        raw = (await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 3, "messages": ASK,
+                                                     "stream": True})).text
+        count = await client.messages.count_tokens(model="tiny", system=system, messages=ASK)
+        return whole, events, final, raw, count
+    whole, events, final, raw, count = run(tiny_model_dir, body)
+    assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
+    assert whole.content[0].type == "text" and whole.content[0].text
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == count.input_tokens > 0
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 12
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    names = [n for n, _ in sse_events(raw)]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_forced_tool_use_validates_and_a_tool_result_is_answered(tiny_model_dir):
+    tools = [WEATHER_TOOL, SEARCH_TOOL]
+
+    async def body(client, http):
+        outs = []
+        for seed in range(4):
+            for choice in ({"type": "any"}, {"type": "tool", "name": "search_docs"}):
+                outs.append((choice, await client.messages.create(
+                    model="tiny", max_tokens=120, messages=ASK, tools=tools, tool_choice=choice,
+                    extra_body={"temperature": 1.0, "seed": seed})))
+        first = outs[0][1]
+        call = next(b for b in first.content if b.type == "tool_use")
+        follow = await client.messages.create(model="tiny", max_tokens=16, tools=tools, messages=ASK + [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21C, clear"}]}],
+            tool_choice={"type": "none"}, extra_body={"temperature": 0})
+        return outs, follow
+    outs, follow = run(tiny_model_dir, body)
+    for choice, out in outs:
+        assert out.stop_reason == "tool_use", out
+        calls = [b for b in out.content if b.type == "tool_use"]
+        assert calls and all(c.id.startswith("toolu_") for c in calls)
+        for c in calls:
+            jsonschema.validate(c.input, SCHEMAS[c.name])
+            assert choice["type"] == "any" or c.name == "search_docs"
+    assert follow.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in follow.content] == ["text"] and "<tool_call>" not in follow.content[0].text
+
+
+def test_errors_in_anthropics_shape_and_the_key(tiny_model_dir):
+    async def body(client, http):
+        errors = []
+        for kw in ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                   {"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web"}]}):
+            with pytest.raises(anthropic.BadRequestError) as err:
+                await client.messages.create(model="tiny", **kw)
+            errors.append(err.value)
+        missing = await http.post("/v1/messages", json={"model": "tiny", "messages": ASK}, headers={"x-api-key": "k"})
+        broken = await http.post("/v1/messages", content=b"{not json", headers={"x-api-key": "k"})
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.create(model="claude-nope", max_tokens=5, messages=ASK)
+        bad_key = anthropic.AsyncAnthropic(base_url="http://pomona.test", api_key="wrong", http_client=http,
+                                           max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as auth:
+            await bad_key.messages.create(model="tiny", max_tokens=5, messages=ASK)
+        return errors, missing, broken, auth.value
+    errors, missing, broken, auth = run(tiny_model_dir, body, api_keys=["k"], key="k")
+    for err in errors:
+        assert err.status_code == 400 and err.body["type"] == "error"
+        assert err.body["error"]["type"] == "invalid_request_error"
+    assert "image" in errors[0].body["error"]["message"] and "web_search_20250305" in errors[1].body["error"]["message"]
+    for r in (missing, broken):
+        assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["message"]
+    assert "max_tokens" in missing.json()["error"]["message"]
+    assert auth.status_code == 401 and auth.body["error"]["type"] == "authentication_error"
