@@ -84,10 +84,11 @@ class _JsonScanner:
             self._char(i, self.body[i])
         self._pos = len(self.body)
 
-    def args_so_far(self) -> str:
+    def args_so_far(self, skip: int = 0) -> str:
+        """The arguments value's text scanned so far, less its first `skip` characters."""
         if self.args_start is None:
             return ""
-        return self.body[self.args_start:self.args_end if self.args_end is not None else len(self.body)]
+        return self.body[self.args_start + skip:self.args_end if self.args_end is not None else len(self.body)]
 
     def _char(self, i: int, ch: str) -> None:
         if self._in_str:
@@ -290,17 +291,19 @@ class OutputParser:
         if sec.index is None and scan.name:
             self._start(sec, scan.name, new_call_id(), events)
         if sec.index is not None and scan.args_object:
-            self._stream_args(sec, scan.args_so_far(), events)
+            self._stream_args(sec, scan.args_so_far(len(sec.streamed)), events)
 
     def _start(self, sec: _Section, name: str, call_id: str, events: list[OutputEvent]) -> None:
         sec.index, sec.id, sec.name = len(self._calls), call_id, name  # one section open at a time
         events.append(ToolCallStart(sec.index, call_id, name))
 
-    def _stream_args(self, sec: _Section, text: str, events: list[OutputEvent]) -> None:
-        if len(text) > len(sec.streamed):
-            assert sec.index is not None and text.startswith(sec.streamed)
-            events.append(ToolArgsDelta(sec.index, text[len(sec.streamed):]))
-            sec.streamed = text
+    def _stream_args(self, sec: _Section, new: str, events: list[OutputEvent]) -> None:
+        """Send `new`, the arguments text after what was already sent (slices, not the whole
+        value again: a long argument must not cost quadratic copying)."""
+        if new:
+            assert sec.index is not None
+            events.append(ToolArgsDelta(sec.index, new))
+            sec.streamed += new
 
     def _close(self, events: list[OutputEvent], terminated: bool) -> None:
         sec, self._section = self._section, None
@@ -322,18 +325,17 @@ class OutputParser:
         self._after_call = True
 
     def _close_streamed(self, sec: _Section, events: list[OutputEvent]) -> None:
-        """End a call whose start went out: its arguments are the streamed object when that is
-        complete JSON, else the parser's (if nothing was streamed yet), else what was sent."""
-        assert sec.index is not None and sec.scanner is not None
-        scan, args = sec.scanner, sec.streamed
-        if scan.args_object and scan.args_end is not None and _json_object(scan.args_so_far()):
-            args = scan.args_so_far()
-        elif not sec.streamed:
+        """End a call whose start went out. Its arguments are the object text streamed so far
+        (complete, or cut short: then not JSON, and listed in invalid_calls); when nothing was
+        streamed (arguments not an object, or absent) the parser's reading, sent now whole."""
+        assert sec.index is not None
+        args = sec.streamed
+        if not args:
             parsed = self._parse(sec.raw)
             args = parsed[0][1] if parsed and len(parsed) == 1 else ""
         if not _json_object(args):
             self._invalid.append(sec.index)
-        self._stream_args(sec, args, events)
+        self._stream_args(sec, args[len(sec.streamed):], events)
         call = ToolCall(sec.id, sec.name, args)
         events.append(ToolCallEnd(sec.index, call))
         self._calls.append(call)

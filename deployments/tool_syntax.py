@@ -6,11 +6,13 @@ object `{"name": ..., "arguments": {...}}` (then a grammar can constrain it and 
 be streamed as they are generated), and whether the model's chat template renders tools itself.
 
 Which parser: a forced name (the `tool_parser` setting), else the one mlx-lm inferred for the
-tokenizer (from `tool_parser_type` in its config or from its chat template), else the GENERIC
-FALLBACK below.
+tokenizer (from `tool_parser_type` in its config or from its chat template) when the template
+renders tools, else the GENERIC FALLBACK below (also where mlx-lm found call markers but the
+template has no tool list: the fallback prompt teaches its JSON block, so that is what to parse).
 
 GENERIC FALLBACK (templates that know no tools, like the default SmolLM2's). Stable: the README
-quotes it. The tool list goes into the system prompt (after the client's own system text, if any):
+quotes it. The tool list goes into the system prompt, after the client's own system text if any
+(into the first user message instead when the template refuses a system message we added):
 
     You can call tools (functions) to help answer. The tools, one JSON object per line:
     {"name": "get_weather", "description": "Current weather", "parameters": {...}}
@@ -210,29 +212,40 @@ def _native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _fallback_messages(messages: Sequence[Message], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+def _fallback_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """Messages for a template without tools: calls as block text, results as user messages."""
     out: list[dict[str, Any]] = []
+    after_result = False
     for m in messages:
         if m.role == "tool":
             block = f"<tool_response>\n{m.content}\n</tool_response>"
-            if out and out[-1].get("_results"):  # consecutive results: one user turn
+            if after_result:  # consecutive results: one user turn (templates want turns to alternate)
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "_results": True})
+                out.append({"role": "user", "content": block})
         elif m.tool_calls:
             calls = "\n".join(fallback_call_text(c) for c in m.tool_calls)
             out.append({"role": m.role, "content": f"{m.content}\n{calls}" if m.content else calls})
         else:
             out.append({"role": m.role, "content": m.content})
-    for d in out:
-        d.pop("_results", None)
-    if tools:
-        text = fallback_system_text(tools)
-        if out and out[0]["role"] == "system":
-            out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
-        else:
-            out.insert(0, {"role": "system", "content": text})
+        after_result = m.role == "tool"
+    return out
+
+
+def _with_tool_text(dicts: list[dict[str, Any]], text: str, into_user: bool) -> list[dict[str, Any]]:
+    """The fallback's tool text after the client's system text, or as a system message of its own;
+    `into_user`: before the first user message's text instead, for templates without a system role."""
+    out = [dict(d) for d in dicts]
+    if into_user:
+        at = next((i for i, d in enumerate(out) if d["role"] == "user"), None)
+        if at is not None:
+            out[at]["content"] = "\n\n".join(t for t in (text, out[at]["content"]) if t)
+            return out
+        out.insert(0, {"role": "user", "content": text})
+    elif out and out[0]["role"] == "system":
+        out[0]["content"] = "\n\n".join(t for t in (out[0]["content"], text) if t)
+    else:
+        out.insert(0, {"role": "system", "content": text})
     return out
 
 
@@ -248,13 +261,26 @@ def render_prompt(tokenizer: Any, messages: Sequence[Message], tools: Sequence[T
     if clash:
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets them. "
                             "Remove them (tools go in `tools`).")
+    kwargs = {**template_kwargs, "tokenize": False, "add_generation_prompt": add_generation_prompt}
     if syntax.native:
-        dicts, kwargs = _native_messages(messages), {"tools": tool_dicts(tools) or None}
-    else:
-        dicts, kwargs = _fallback_messages(messages, tools), {}
+        return _apply(tokenizer, _native_messages(messages), tools=tool_dicts(tools) or None, **kwargs)
+    dicts = _fallback_messages(messages)
+    if not tools:
+        return _apply(tokenizer, dicts, **kwargs)
+    text = fallback_system_text(tools)
     try:
-        return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **kwargs, **dict(template_kwargs))
+        return _apply(tokenizer, _with_tool_text(dicts, text, into_user=False), **kwargs)
+    except TemplateError:
+        if any(m.role == "system" for m in messages):
+            raise  # the client's own system message is refused: theirs to change
+        # A system message only we added was refused (templates without a system role, e.g.
+        # Gemma 2's): the tool text goes to the first user turn instead.
+        return _apply(tokenizer, _with_tool_text(dicts, text, into_user=True), **kwargs)
+
+
+def _apply(tokenizer: Any, dicts: list[dict[str, Any]], **kwargs: Any) -> str:
+    try:
+        return tokenizer.apply_chat_template(dicts, **kwargs)
     except jinja2.TemplateSyntaxError:
         raise
     except jinja2.TemplateError as exc:

@@ -259,3 +259,16 @@ def test_plain_text_is_unchanged(tokenizer):
         parser = OutputParser(syntax_for(tokenizer), TOOLS, tools_enabled=enabled)
         run(parser, list(text))
         assert parser.text == text and parser.finish_reason("stop") == "stop"
+
+
+def test_json_bodies_that_do_not_stream(tokenizer):
+    """Arguments as a JSON string, no arguments, or a list of calls: sent whole at the end marker."""
+    syntax = syntax_for(tokenizer)
+    text = ('<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>'
+            '<tool_call>{"name": "get_time"}</tool_call>'
+            '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+            '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]</tool_call>')
+    events = split_everywhere(lambda: OutputParser(syntax, TOOLS), text)
+    check_calls(run(OutputParser(syntax, TOOLS), [text]),
+                [("get_time", {"tz": "UTC"}), ("get_time", {}), WEATHER, TIME])
+    assert [e[4] for e in events if isinstance(e, tuple) and e[0] == "end"][:2] == ['{"tz": "UTC"}', "{}"]

@@ -170,3 +170,29 @@ def test_template_refusals_are_template_errors(hermes, plain):
     for tok in (hermes, plain):
         with pytest.raises(TemplateError, match="not JSON"):
             render_prompt(tok, HISTORY[1:2] + bad_args, TOOLS, syntax_for(tok), {})
+
+
+def test_the_documented_fallback_format_is_the_one_rendered():
+    import deployments.tool_syntax as ts
+    quoted = [line[4:] for line in ts.__doc__.splitlines() if line.startswith("    ")]
+    rendered = fallback_system_text(TOOLS).splitlines()
+    assert len(quoted) == len(rendered) == 7
+    assert [q for i, q in enumerate(quoted) if i != 1] == [r for i, r in enumerate(rendered) if i != 1]
+    assert json.loads(rendered[1])["name"] == "get_weather" and quoted[1].startswith('{"name": "get_weather"')
+
+
+NO_SYSTEM_TEMPLATE = (  # Gemma 2 style: no system role, no tools
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_fallback_text_goes_to_the_first_user_turn_without_a_system_role(tmp_path):
+    tok = tokenizer_with(tmp_path, NO_SYSTEM_TEMPLATE)
+    syntax = syntax_for(tok)
+    assert not syntax.native
+    prompt = render_prompt(tok, HISTORY[1:], TOOLS, syntax, {})
+    assert prompt.startswith(f"<start_of_turn>user\n{fallback_system_text(TOOLS)}\n\nWeather in Paris?<end_of_turn>")
+    with pytest.raises(TemplateError, match="System role not supported"):  # the client's own system message
+        render_prompt(tok, HISTORY, TOOLS, syntax, {})
