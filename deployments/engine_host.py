@@ -5,7 +5,9 @@ need not agree on class versions and a pickled event stays small.
 
 Wire format of `stream()`: first either a rejection `{"rejected": {"kind", "message", "retry_after_s"}}`
 (nothing was generated; the ingress answers with an HTTP status), or lists of events
-`{"text", "token", "lp", "finish", "usage", "error"}`; the last event of the last list has `finish`.
+`{"text", "token", "lp", "finish", "usage", "error", "code", "stop_str"}`; the last event of the last list
+has `finish`. Sampling settings travel as `sampling_to_wire`'s dict (`logit_bias` as [token, bias] pairs,
+`grammar` as the llguidance grammar string).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def event_to_wire(event: TokenEvent) -> dict[str, Any]:
             "cached_tokens": event.usage.cached_tokens, "cache_tier": event.usage.cache_tier},
         "error": event.error,
         "code": event.error_code,  # "timeout", "reset", ...: the ingress picks the HTTP status from it
+        "stop_str": event.stop_string,  # the stop string that ended the request, if one did
     }
 
 
@@ -59,6 +62,10 @@ def sampling_from_wire(params: Mapping[str, Any]) -> SamplingParams:
     for name in ("stop", "stop_token_ids"):
         if name in values:
             values[name] = tuple(values[name])
+    if "logit_bias" in values:  # pairs come back as lists (JSON) or a {token: bias} mapping
+        bias = values["logit_bias"]
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        values["logit_bias"] = tuple((int(t), float(b)) for t, b in pairs)
     return SamplingParams(**values)
 
 

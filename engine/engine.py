@@ -63,6 +63,10 @@ class Engine:
         """Queue a request (raises `OverloadedError` when the waiting queue is full)."""
         if request.request_id in self.seqs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.grammar is not None and request.constraint is None:
+            # Compiling here would stall the batch; AsyncEngine.stream compiles before queueing.
+            raise RuntimeError("a request with a grammar needs its constraint built first "
+                               "(engine.constraints.build_constraint)")
         try:
             self.scheduler.add_request(request)
         except Exception:
@@ -164,7 +168,7 @@ class Engine:
         hit = self.store.lookup(tokens)
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params
-        decoding = make_decoding(params, len(tokens), self._eos)
+        decoding = make_decoding(params, len(tokens), self._eos, seq.request.constraint)
         rest = len(tokens) - cached
         # The direct path is for a long cached context with a short rest (a follow-up turn, a
         # question on a shared document). A hit on a short shared start (the chat template's system
@@ -249,12 +253,14 @@ class Engine:
         delta = seq.text.add(g.token)
         if delta.stopped:
             self._remove_running(seq, store=True)
-            return self._final(seq, FinishReason.STOP, delta.text, token=g.token, logprob=logprob)
+            return self._final(seq, FinishReason.STOP, delta.text, token=g.token, logprob=logprob,
+                               stop=delta.stop)
         if g.finish_reason == "length":
             tail = seq.text.finish()
             self._offer(seq, (g.cache, g.tokens) if g.cache else None, "finished")
             reason = FinishReason.STOP if tail.stopped else FinishReason.LENGTH
-            return self._final(seq, reason, delta.text + tail.text, token=g.token, logprob=logprob)
+            return self._final(seq, reason, delta.text + tail.text, token=g.token, logprob=logprob,
+                               stop=tail.stop)
         return TokenEvent(seq.request_id, g.token, delta.text, logprob)
 
     def _logprob(self, seq: Sequence, g: Generated) -> TokenLogprob | None:
@@ -267,14 +273,14 @@ class Engine:
     # -- endings ------------------------------------------------------------------------------
     def _final(self, seq: Sequence, reason: FinishReason, text: str, token: int | None = None,
                logprob: TokenLogprob | None = None, error: str | None = None,
-               code: str | None = None) -> TokenEvent:
+               code: str | None = None, stop: str | None = None) -> TokenEvent:
         seq.finish(reason)
         self.seqs.pop(seq.request_id, None)
         self._prefilling.pop(seq.request_id, None)
         if self.memory is not None:
             self.memory.rebalance(self._reserved_tokens())  # finished requests give memory back
         self.stats.requests_finished[reason.value] += 1
-        return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error, code)
+        return TokenEvent(seq.request_id, token, text, logprob, reason, seq.usage(), error, code, stop)
 
     def _remove_running(self, seq: Sequence, store: bool) -> None:
         keep = store and seq.status is RequestStatus.DECODING

@@ -14,11 +14,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from cache_tiers.store import PrefixStore
 from engine.config import EngineConfig
+from engine.constraints import build_constraint
 from engine.engine import Engine
 from engine.text import ConsumerText, text_in_engine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, Request, SamplingParams,
@@ -117,10 +118,13 @@ class AsyncEngine:
     async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
         """Events in batches: everything available whenever the consumer asks (no added delay).
 
-        Raises before the first batch if the request is refused (overload, context length).
-        Leaving the iteration early (a client disconnect) aborts the request in the engine.
+        Raises before the first batch if the request is refused (overload, context length, an
+        invalid grammar: ValueError). Leaving the iteration early (a client disconnect) aborts the
+        request in the engine.
         """
         self.check(request)
+        if request.params.grammar is not None and request.constraint is None:
+            request = await self._constrain(request)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request.request_id in self._streams:
@@ -145,6 +149,13 @@ class AsyncEngine:
                 self.abort(request.request_id)
             with self._lock:
                 self._streams.pop(request.request_id, None)
+
+    async def _constrain(self, request: Request) -> Request:
+        """Compile the request's grammar in a worker thread, so the MLX thread never waits for it."""
+        await asyncio.wrap_future(self._ready)  # the tokenizer arrives with the model
+        constraint = await asyncio.to_thread(build_constraint, self.tokenizer, request.params.grammar,
+                                             request.prompt_tokens)
+        return replace(request, constraint=constraint)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         async for batch in self.stream(request):

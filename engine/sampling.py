@@ -111,28 +111,53 @@ def _output_penalties(presence: float, frequency: float, prompt_len: int) -> Log
     return process
 
 
-def make_logits_processors(params: SamplingParams, prompt_len: int) -> tuple[LogitsProcessor, ...]:
+def _logit_bias(bias: tuple[tuple[int, float], ...]) -> LogitsProcessor:
+    """OpenAI semantics: each bias is added to its token's logit before sampling."""
+    state: dict[str, mx.array] = {}
+
+    def process(context: mx.array, logits: mx.array) -> mx.array:
+        if "ids" not in state:  # ids past the model's vocabulary name no token: nothing to bias
+            kept = [(t, b) for t, b in bias if t < logits.shape[-1]]
+            state["ids"] = mx.array([t for t, _ in kept], dtype=mx.int32)
+            state["values"] = mx.array([b for _, b in kept], dtype=logits.dtype)
+        if state["ids"].size == 0:
+            return logits
+        return logits.at[:, state["ids"]].add(state["values"])
+
+    return process
+
+
+def make_logits_processors(params: SamplingParams, prompt_len: int,
+                           constraint: LogitsProcessor | None = None) -> tuple[LogitsProcessor, ...]:
     processors: list[LogitsProcessor] = []
     if params.repetition_penalty != 1.0:
         processors.append(_repetition_penalty(params.repetition_penalty))
     if params.presence_penalty or params.frequency_penalty:
         processors.append(_output_penalties(params.presence_penalty, params.frequency_penalty, prompt_len))
+    if params.logit_bias:
+        processors.append(_logit_bias(params.logit_bias))
+    if constraint is not None:  # last: whatever the others did, a forbidden token stays forbidden
+        processors.append(constraint)
     return tuple(processors)
 
 
-def make_stop_sequences(params: SamplingParams, eos_token_ids: Sequence[int]) -> StopSequences:
-    """Token-level stops (EOS and `stop_token_ids`); stop *strings* are matched on text instead."""
+def make_stop_sequences(params: SamplingParams, eos_token_ids: Sequence[int],
+                        force_eos: bool = False) -> StopSequences:
+    """Token-level stops (EOS and `stop_token_ids`); stop *strings* are matched on text instead.
+    `force_eos` keeps EOS a stop despite `ignore_eos` (a finished grammar allows nothing else)."""
     ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
+    if force_eos or not params.ignore_eos:
         ids.update(eos_token_ids)
     return StopSequences([[i] for i in sorted(ids)] or None)
 
 
-def make_decoding(params: SamplingParams, prompt_len: int, eos_token_ids: Sequence[int]) -> Decoding:
+def make_decoding(params: SamplingParams, prompt_len: int, eos_token_ids: Sequence[int],
+                  constraint: LogitsProcessor | None = None) -> Decoding:
+    """`constraint` is the request's grammar processor (`Request.constraint`), applied after the others."""
     return Decoding(
         sampler=make_request_sampler(params),
-        logits_processors=make_logits_processors(params, prompt_len),
-        stop_sequences=make_stop_sequences(params, eos_token_ids),
+        logits_processors=make_logits_processors(params, prompt_len, constraint),
+        stop_sequences=make_stop_sequences(params, eos_token_ids, force_eos=constraint is not None),
     )
 
 

@@ -19,6 +19,7 @@ from engine.types import FinishReason, TokenEvent
 class TextDelta:
     text: str
     stopped: bool  # a stop string was found; `text` is everything before it
+    stop: str | None = None  # which one
 
 
 def _held_suffix(text: str, stops: Sequence[str]) -> int:
@@ -133,13 +134,13 @@ class TextStream:
             return TextDelta(delta, False)
         # A new match can only start where fresh text could complete it.
         start = max(0, self._sent - self._max_stop + 1)
-        hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self._stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, stop = min(hits, key=lambda hit: hit[0])  # the earliest match ends the text
             delta = text[self._sent:cut] if cut > self._sent else ""
             self._sent = max(self._sent, cut)
             self.done = True
-            return TextDelta(delta, True)
+            return TextDelta(delta, True, stop)
         end = len(text) if final else len(text) - _held_suffix(text, self._stops)
         delta = text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)

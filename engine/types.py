@@ -11,6 +11,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class EngineError(Exception):
@@ -78,6 +79,7 @@ _FINISH_STATUS = {
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 def _check(condition: bool, message: str) -> None:
@@ -96,7 +98,10 @@ class SamplingParams:
 
     Defaults follow OpenAI's API: temperature 1.0 means sampling; 0 means greedy.
     `logprobs` is the number of top alternatives to report per token (0 = only the chosen token's
-    log-probability, None = none at all).
+    log-probability, None = none at all). `logit_bias` holds (token id, bias) pairs added to the logits.
+    `grammar` is an llguidance grammar (what `llguidance.LLMatcher` accepts, e.g. the output of
+    `deployments.grammars`); None means unconstrained. A request with a grammar always ends at EOS once
+    the grammar is complete, even with `ignore_eos`.
     """
 
     max_tokens: int = 256
@@ -112,6 +117,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
@@ -139,11 +146,28 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        _check_logit_bias(self.logit_bias)
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar != ""),
+               "grammar must be a non-empty string or None")
 
     @property
     def greedy(self) -> bool:
         # Below this, 1/temperature overflows float32 logits; such a temperature means argmax.
         return self.temperature < GREEDY_BELOW
+
+
+def _check_logit_bias(bias: object) -> None:
+    _check(isinstance(bias, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in bias),
+           "logit_bias must be a tuple of (token id, bias) pairs")
+    seen = set()
+    for token, value in bias:  # type: ignore[union-attr]
+        _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+               f"logit_bias keys must be token ids >= 0, got {token!r}")
+        _check(token not in seen, f"logit_bias lists token {token} more than once")
+        seen.add(token)
+        _finite(f"logit_bias[{token}]", value)
+        _check(-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+               f"logit_bias values must be in [-100, 100], got {value} for token {token}")
 
 
 _request_ids = itertools.count()
@@ -155,13 +179,18 @@ def new_request_id(prefix: str = "req") -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """An immutable description of one generation; its live state is kept by the engine."""
+    """An immutable description of one generation; its live state is kept by the engine.
+
+    `constraint` is the compiled grammar's logits processor (`engine.constraints.GrammarConstraint`)
+    when `params.grammar` is set: built off the MLX thread (`AsyncEngine.stream` does it), one per request.
+    """
 
     prompt_tokens: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     priority: int = 0  # lower runs first under the priority policy
     arrival_time: float = field(default_factory=time.monotonic)
+    constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.prompt_tokens, tuple), "prompt_tokens must be a tuple of token ids")
@@ -196,7 +225,8 @@ class TokenEvent:
 
     `text` is the newly releasable text (possibly empty while a stop string or a multi-byte
     character is held back). The last event of a request has `finish_reason` and `usage` set;
-    with `FinishReason.ERROR` it also carries `error`.
+    with `FinishReason.ERROR` it also carries `error`; `stop_string` is the stop string (one of
+    `SamplingParams.stop`) that ended it, if one did.
     """
 
     request_id: str
@@ -207,6 +237,7 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     error_code: str | None = None  # "timeout", "internal_error", "reset" or "shutdown" with ERROR/ABORT
+    stop_string: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -22,7 +23,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
+def build_tokenizer(out: Path, vocab_size: int = 512, extra_special: Sequence[str] = ()) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -30,7 +31,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([CORPUS], trainer=trainer)
@@ -49,12 +50,15 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
     }))
 
 
-def build_tiny_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
-    """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to `out`."""
+def build_tiny_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 64,
+                     extra_special: Sequence[str] = ()) -> Path:
+    """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to `out`.
+
+    `extra_special` adds special tokens (e.g. "<think>", "</think>") after the default three."""
     from mlx_lm.models import llama
 
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    build_tokenizer(out, extra_special=extra_special)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     config = {
         "model_type": "llama",
