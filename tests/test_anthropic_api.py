@@ -398,3 +398,27 @@ def test_errors_in_anthropics_shape_and_the_key(tiny_model_dir):
         assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["message"]
     assert "max_tokens" in missing.json()["error"]["message"]
     assert auth.status_code == 401 and auth.body["error"]["type"] == "authentication_error"
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_output_config_schema_holds_and_max_tokens_is_capped_by_the_room_left(tiny_model_dir):
+    long = " ".join(f"Paris is the capital of France {i}." for i in range(20))
+
+    async def body(client, http):
+        shaped = [await client.messages.create(
+            model="tiny", max_tokens=150, messages=ASK, extra_body={"temperature": 1.0, "seed": s},
+            output_config={"format": {"type": "json_schema", "schema": PERSON}}) for s in range(3)]
+        count = await client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": long}])
+        capped = await client.messages.create(model="tiny", max_tokens=32000, messages=[{"role": "user", "content": long}],
+                                              extra_body={"ignore_eos": True})
+        return shaped, count, capped
+    shaped, count, capped = run(tiny_model_dir, body, engine={"max_model_len": 320})
+    for out in shaped:
+        assert out.stop_reason == "end_turn"
+        jsonschema.validate(json.loads(out.content[0].text), PERSON)
+    assert 150 < count.input_tokens < 320
+    assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 320 - count.input_tokens
