@@ -10,8 +10,11 @@ section (the text between a call's start and end markers) is parsed with the syn
   `ToolArgsDelta` pieces as it is generated (held until the name is known when "arguments" comes
   first), then `ToolCallEnd` at the end marker. The reported `arguments` is exactly the text
   streamed (validated to be a JSON object), so clients that concatenate deltas get the same
-  string. Other syntaxes (XML, pythonic, ...) are sent whole at their end marker: one start, one
-  delta with `json.dumps(arguments, ensure_ascii=False)`, one end.
+  string. Further JSON calls after the first object in the same block are sent whole; other text
+  there (a stray brace) is ignored. Other syntaxes (XML, pythonic, ...) and JSON bodies whose
+  arguments are not an object are sent whole at their end marker: one start, one delta with
+  `json.dumps(arguments, ensure_ascii=False)`, one end. Ids: the parser's (kimi_k2, mistral) or
+  `call_` + 24 hex digits.
 - A section that cannot be parsed as calls (malformed, or cut off by max_tokens before its name
   was known) becomes content: the model's text, markers included, so an agent sees what the
   model wrote instead of losing it (mlx_lm.server drops it with a warning). This is the one case
@@ -69,6 +72,7 @@ class _JsonScanner:
         self.args_start: int | None = None
         self.args_end: int | None = None
         self.args_object = False  # the arguments value is an object: streamable
+        self.end: int | None = None  # just after the wrapper object's closing brace
         self._pos = self._depth = 0
         self._in_str = self._esc = False
         self._expect = "wrapper"  # wrapper, key, colon, value, comma, done, off
@@ -122,7 +126,7 @@ class _JsonScanner:
             if self._depth == 1:
                 self._token_end(i + 1)
             elif self._depth == 0:
-                self._expect = "done"
+                self._expect, self.end = "done", i + 1
         elif self._depth == 1:
             if ch == ":" and self._expect == "colon":
                 self._expect = "value"
@@ -239,8 +243,9 @@ class OutputParser:
         return events
 
     def finish(self, reason: str) -> list[OutputEvent]:
-        """Flush held text (a marker's beginning that never completed is text of its state);
-        an unterminated section is parsed as it is (mistral's calls have no end marker)."""
+        """Flush held text (a marker's beginning that never completed is text of its state) and
+        parse an unterminated section as it is, whatever the engine's `reason`: mistral's calls have
+        no end marker, and a call cut by "length" is handled as the module docstring says."""
         events: list[OutputEvent] = []
         self._sm, rest, state = TextStateMachine.flush(self._sm)
         if rest:
@@ -317,12 +322,7 @@ class OutputParser:
             end = self._syntax.end if terminated else ""
             self._content(self._syntax.start + sec.raw + end, events)
             return
-        for name, args, call_id in calls:
-            index = len(self._calls)
-            call = ToolCall(call_id or new_call_id(), name, args)
-            events += [ToolCallStart(index, call.id, name), ToolArgsDelta(index, args), ToolCallEnd(index, call)]
-            self._calls.append(call)
-        self._after_call = True
+        self._emit_calls(calls, events)
 
     def _close_streamed(self, sec: _Section, events: list[OutputEvent]) -> None:
         """End a call whose start went out. Its arguments are the object text streamed so far
@@ -340,6 +340,18 @@ class OutputParser:
         events.append(ToolCallEnd(sec.index, call))
         self._calls.append(call)
         self._after_call = True
+        rest = sec.raw[sec.scanner.end:] if sec.scanner and sec.scanner.end is not None else ""
+        if rest.strip():  # more calls in the same block (small models do this); other text is ignored
+            self._emit_calls(self._parse(rest) or [], events)
+
+    def _emit_calls(self, calls: list[tuple[str, str, str | None]], events: list[OutputEvent]) -> None:
+        """Calls parsed whole: each sent as one start, one delta, one end."""
+        for name, args, call_id in calls:
+            index = len(self._calls)
+            call = ToolCall(call_id or new_call_id(), name, args)
+            events += [ToolCallStart(index, call.id, name), ToolArgsDelta(index, args), ToolCallEnd(index, call)]
+            self._calls.append(call)
+            self._after_call = True
 
     def _parse(self, raw: str) -> list[tuple[str, str, str | None]] | None:
         try:

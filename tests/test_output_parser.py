@@ -272,3 +272,11 @@ def test_json_bodies_that_do_not_stream(tokenizer):
     check_calls(run(OutputParser(syntax, TOOLS), [text]),
                 [("get_time", {"tz": "UTC"}), ("get_time", {}), WEATHER, TIME])
     assert [e[4] for e in events if isinstance(e, tuple) and e[0] == "end"][:2] == ['{"tz": "UTC"}', "{}"]
+
+
+def test_two_json_calls_in_one_block(tokenizer):
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+            '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+    events = split_everywhere(lambda: OutputParser(syntax_for(tokenizer), TOOLS), text)
+    check_calls(run(OutputParser(syntax_for(tokenizer), TOOLS), [text]), [WEATHER, TIME])
+    assert not any(isinstance(e, TextDelta) for e in events)
