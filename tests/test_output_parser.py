@@ -280,3 +280,20 @@ def test_two_json_calls_in_one_block(tokenizer):
     events = split_everywhere(lambda: OutputParser(syntax_for(tokenizer), TOOLS), text)
     check_calls(run(OutputParser(syntax_for(tokenizer), TOOLS), [text]), [WEATHER, TIME])
     assert not any(isinstance(e, TextDelta) for e in events)
+
+
+def test_unicode_and_escapes_in_streamed_arguments(tokenizer):
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich 🙂 \\"\\u00e9\\\\", "days": 2}}'
+            '</tool_call>')
+    events = split_everywhere(lambda: OutputParser(syntax_for(tokenizer), TOOLS), text)
+    assert events[-1][4] == '{"city": "Zürich 🙂 \\"\\u00e9\\\\", "days": 2}'  # as generated
+    assert json.loads(events[-1][4]) == {"city": 'Zürich 🙂 "é\\', "days": 2}
+
+
+def test_a_call_may_open_inside_the_reasoning(tokenizer):
+    """As mlx-lm's state machine: a call marker inside an unclosed think section is a call."""
+    text = '<think>I need the weather<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>Done.'
+    events = split_everywhere(lambda: OutputParser(syntax_for(tokenizer), TOOLS, think_start="<think>",
+                                                   think_end="</think>"), text)
+    assert events[0] == ReasoningDelta("I need the weather") and events[-1] == TextDelta("Done.")
+    assert events[-2][3:] == ("get_time", '{"tz": "UTC"}')
