@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 
 from deployments.fleet_settings import FleetSettings
 from deployments.openai_types import Limits
+from deployments.response_store import ResponseStoreSettings
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 APPLE_SILICON_RESOURCE = "apple_silicon"
@@ -77,6 +78,7 @@ class AppSettings:
     fleet: FleetSettings = FleetSettings()  # routing over replicas and autoscaling (deployments/fleet.py)
     blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
     drain_s: float = 30.0
+    responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (deployments/response_store.py)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "AppSettings":
@@ -90,6 +92,7 @@ class AppSettings:
             values.get("llm_server"), "llm_server", num_cpus=2.0, resources={APPLE_SILICON_RESOURCE: 1.0})
         values["ingress"] = ReplicaSettings.from_dict(values.get("ingress"), "ingress", num_cpus=0.0)
         values["fleet"] = FleetSettings.from_dict(values.get("fleet"))
+        values["responses"] = ResponseStoreSettings.from_dict(values.get("responses"))
         keys = values.get("api_keys") or ()
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
             raise ValueError("api_keys must be a list of non-empty strings")

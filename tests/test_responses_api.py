@@ -1,0 +1,402 @@
+"""/v1/responses: request parsing, the response object and its events (checked against the official
+`openai` SDK's own models), the diskcache store, and the route in process (real app, real engine,
+tiny model, the SDK's `client.responses`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import diskcache
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from agent_helpers import SCHEMAS
+from deployments.conversation import (Completion, Message, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
+                                      ToolCallEnd, ToolCallStart, Usage)
+from deployments.errors import ApiError
+from deployments.openai_types import Limits
+from deployments.response_store import ResponseStore, ResponseStoreSettings, StoredResponse
+from deployments.responses_parse import parse_responses
+from deployments.responses_render import EventWriter, output_items, response_object, status_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+EVENTS = TypeAdapter(ResponseStreamEvent)
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
+                "parameters": SCHEMAS["get_weather"]}
+
+
+def parse(body, history=()):
+    return parse_responses({"model": "tiny", **body}, Limits(), 1024, tuple(history))
+
+
+def refused(body) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.status == 400
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def test_string_input_instructions_and_defaults():
+    p = parse({"input": "Hello", "instructions": "Be brief."})
+    assert p.conversation.messages == (Message("system", "Be brief."), Message("user", "Hello"))
+    assert p.turn == (Message("user", "Hello"),) and p.store is True and p.previous_response_id is None
+    assert p.conversation.format_param == "text.format" and p.conversation.max_tokens is None
+    assert p.echo["instructions"] == "Be brief." and p.echo["tool_choice"] == "auto"
+
+
+def test_items_calls_outputs_and_reasoning():
+    p = parse({"input": [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                        {"type": "input_text", "text": "in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": {"city": "Lyon"}},
+        {"type": "function_call_output", "call_id": "call_a", "output": "18C"},
+        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "20C"}]},
+    ]})
+    system, user, assistant, out_a, out_b = p.conversation.messages
+    assert system == Message("system", "Use tools.") and user.content == "Weather in Paris?"
+    assert assistant.content == "Checking." and assistant.reasoning == "hm"
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in assistant.tool_calls] == [
+        ("call_a", "get_weather", {"city": "Paris"}), ("call_b", "get_weather", {"city": "Lyon"})]
+    assert out_a == Message("tool", "18C", tool_call_id="call_a", name="get_weather")
+    assert out_b.content == "20C" and out_b.tool_call_id == "call_b"
+
+
+def test_history_goes_between_instructions_and_input():
+    history = (Message("user", "Hi"), Message("assistant", "Hello!"))
+    p = parse({"input": "Again", "instructions": "New rules.", "previous_response_id": "resp_x"}, history)
+    assert p.conversation.messages == (Message("system", "New rules."),) + history + (Message("user", "Again"),)
+    assert p.turn == (Message("user", "Again"),) and p.history == history and p.previous_response_id == "resp_x"
+
+
+def test_flat_function_tools_strict_by_default_and_tool_choice():
+    p = parse({"input": "x", "tools": [WEATHER_TOOL, {**WEATHER_TOOL, "name": "other", "strict": False}],
+               "tool_choice": {"type": "function", "name": "other"}})
+    first, second = p.conversation.tools
+    assert first.name == "get_weather" and first.parameters == SCHEMAS["get_weather"] and first.strict
+    assert not second.strict
+    assert p.conversation.tool_choice.mode == "named" and p.conversation.tool_choice.name == "other"
+    assert p.echo["tools"][0] == {**WEATHER_TOOL, "strict": True}
+    assert p.echo["tool_choice"] == {"type": "function", "name": "other"}
+    assert parse({"input": "x", "tools": [WEATHER_TOOL], "tool_choice": "required"}).conversation.tool_choice.mode \
+        == "required"
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "built-in tool 'web_search'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name", "letters"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "JSON schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format", "json_schema"),
+    ({"frobnicate": 1}, "frobnicate", "not a field"),
+    ({"background": True}, "background", "background"),
+    ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "between 1 and 1024"),
+    ({"temperature": "hot"}, "temperature", "a number"),
+    ({"store": "yes"}, "store", "a boolean"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "one of"),
+])
+def test_bad_fields_name_the_field(body, param, words):
+    err = refused({"input": "x", **body})
+    assert err.param == param and words in err.message, err.message
+
+
+@pytest.mark.parametrize("value,param", [
+    (None, "input"), ("", "input"), ([], "input"), ([3], "input[0]"),
+    ([{"role": "robot", "content": "x"}], "input[0].role"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}], "input[0].arguments"),
+    ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+    ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
+])
+def test_bad_input_names_the_item(value, param):
+    assert refused({"input": value}).param == param
+
+
+def test_text_format_and_reasoning_effort():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    p = parse({"input": "x", "text": {"format": {"type": "json_schema", "name": "thing", "schema": schema,
+                                                 "strict": True}},
+               "reasoning": {"effort": "none"}})
+    fmt = p.conversation.output_format
+    assert (fmt.kind, fmt.schema, fmt.name) == ("json_schema", schema, "thing")
+    assert dict(p.conversation.chat_template_kwargs) == {"enable_thinking": False}
+    assert parse({"input": "x", "text": {"format": {"type": "json_object"}}}).conversation.output_format.kind \
+        == "json_object"
+    assert dict(parse({"input": "x", "reasoning": {"effort": "high"}}).conversation.chat_template_kwargs) \
+        == {"enable_thinking": True}
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+def ECHO():
+    return parse({"input": "x", "tools": [WEATHER_TOOL], "max_output_tokens": 64}).echo
+
+
+def test_whole_object_validates_with_the_sdk():
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris", "unit": "celsius"}')
+    c = Completion("It is sunny.", "Think first.", (call,), "tool_calls", Usage(40, 12, 32))
+    obj = response_object("resp_" + "0" * 32, 1700000000, "tiny", ECHO(), status=status_of(c),
+                          output=output_items(c), usage=c.usage, previous=None, store=True)
+    r = Response.model_validate(obj)
+    assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output_text == "It is sunny." and r.status == "completed" and r.incomplete_details is None
+    assert r.output[2].call_id == "call_1" and json.loads(r.output[2].arguments)["city"] == "Paris"
+    assert r.output[0].content[0].text == "Think first."
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (40, 12, 52)
+    assert r.usage.input_tokens_details.cached_tokens == 32 and r.tools[0].name == "get_weather"
+    cut = Completion("It is", "", (), "length", Usage(40, 64, 0))
+    r = Response.model_validate(response_object("resp_1", 1, "tiny", ECHO(), status=status_of(cut),
+                                                output=output_items(cut), usage=cut.usage, previous="resp_0",
+                                                store=False))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.previous_response_id == "resp_0"
+
+
+def sse_events(text: str) -> list[dict]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and data.startswith("data: ")
+        body = json.loads(data[len("data: "):])
+        assert body["type"] == kind[len("event: "):]
+        EVENTS.validate_python(body)  # each event parses as the SDK's own event model
+        out.append(body)
+    return out
+
+
+def test_stream_events_in_order_with_sequence_numbers():
+    w = EventWriter()
+    base = response_object("resp_1", 1, "tiny", ECHO(), status="in_progress", output=[], usage=None,
+                           previous=None, store=True)
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    text = w.start(base) + w.feed([ReasoningDelta("Hm"), ReasoningDelta("m."), TextDelta("Let me "),
+                                   TextDelta("check."), ToolCallStart(0, "call_1", "get_weather"),
+                                   ToolArgsDelta(0, '{"city": '), ToolArgsDelta(0, '"Paris"}'),
+                                   ToolCallEnd(0, call)]) + w.finish("completed")
+    final = response_object("resp_1", 1, "tiny", ECHO(), status="completed", output=w.items,
+                            usage=Usage(10, 5, 0), previous=None, store=True)
+    events = sse_events(text + w.end(final))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    done = Response.model_validate(events[-1]["response"])
+    assert done.output_text == "Let me check." and done.output[0].content[0].text == "Hmm."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert args == call.arguments == done.output[2].arguments
+
+
+def test_stream_cut_by_length_and_failure():
+    w = EventWriter()
+    text = w.feed([TextDelta("a"), ToolCallStart(0, "call_1", "f"), ToolArgsDelta(0, '{"x": ')])
+    text += w.finish("incomplete")
+    events = sse_events(text)
+    assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == "incomplete"
+    assert events[-2]["arguments"] == '{"x": '
+    base = response_object("resp_1", 1, "tiny", ECHO(), status="in_progress", output=[], usage=None,
+                           previous=None, store=True)
+    tail = sse_events(w.failed(ApiError(500, "engine died", "server_error"), base))
+    assert [e["type"] for e in tail] == ["error", "response.failed"]
+    assert tail[1]["response"]["status"] == "failed" and tail[1]["response"]["error"]["message"] == "engine died"
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+
+def rid(i: int) -> str:
+    return f"resp_{i:032x}"
+
+
+def stored(text: str = "hi") -> StoredResponse:
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    return StoredResponse({"id": "x", "output": [{"type": "message"}]},
+                          (Message("user", text), Message("assistant", "", (call,), reasoning="r"),
+                           Message("tool", "18C", tool_call_id="call_1", name="get_weather")))
+
+
+def test_store_round_trip_unknown_and_delete(tmp_path):
+    store = ResponseStore(ResponseStoreSettings(), str(tmp_path / "r"))
+    store.put(rid(1), stored())
+    assert store.get(rid(1)) == stored()
+    assert store.get(rid(2)) is None and store.get("../etc") is None
+    assert store.delete(rid(1)) and store.get(rid(1)) is None and not store.delete(rid(1))
+    store.close()
+
+
+def test_store_expires_entries(tmp_path):
+    store = ResponseStore(ResponseStoreSettings(max_age_s=0.5), str(tmp_path / "r"))
+    store.put(rid(1), stored())
+    assert store.get(rid(1)) is not None
+    time.sleep(0.8)
+    assert store.get(rid(1)) is None
+
+
+def test_store_is_bounded_in_bytes(tmp_path):
+    limit = 2**20
+    store = ResponseStore(ResponseStoreSettings(size_bytes=limit), str(tmp_path / "r"))
+    for i in range(80):  # 80 x ~40 KB = ~3 MB into a 1 MiB store
+        store.put(rid(i), stored("x" * 40_000))
+    assert store.volume() <= limit + 100_000
+    assert store.get(rid(0)) is None and store.get(rid(79)) is not None
+
+
+def test_store_never_unpickles(tmp_path):
+    directory = str(tmp_path / "r")
+    with diskcache.Cache(directory) as plain:
+        plain.set(rid(1), {"pickled": True})  # a pickled row, as a plain diskcache writes
+    store = ResponseStore(ResponseStoreSettings(), directory)
+    assert store.get(rid(1)) is None
+
+
+def test_default_directory_is_beside_the_ssd_tier():
+    s = ResponseStoreSettings()
+    assert s.resolved_directory("/data/pomona/kv") == "/data/pomona/kv-responses"
+    assert s.resolved_directory(None).endswith("/.cache/pomona/responses")
+    assert ResponseStoreSettings(directory="/x").resolved_directory("/data/kv") == "/x"
+    with pytest.raises(ValueError):
+        ResponseStoreSettings.from_dict({"size": 1})
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+class AsyncHost:
+    """A real EngineHost behind the async `info`/`stats` the ingress awaits (as over a Ray handle)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def stream(self, prompt_tokens, params, request_id):
+        return self.host.stream(prompt_tokens, params, request_id)
+
+    async def info(self):
+        return self.host.info()
+
+    async def stats(self):
+        return self.host.stats()
+
+
+@contextlib.asynccontextmanager
+async def in_process(model_dir, **app_args):
+    """The real app over a real engine in this process; an httpx client whose transport is the app."""
+    import httpx
+
+    from deployments.engine_host import EngineHost, load_tokenizer
+    from deployments.http_app import OpenAIServer
+    from deployments.settings import AppSettings
+    from e2e_helpers import tiny_args
+
+    settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
+    host = EngineHost(settings.engine)
+    await host.start()
+    server = OpenAIServer(settings, AsyncHost(host), lambda: load_tokenizer(str(model_dir)))
+    try:
+        await server.refresh()
+        assert server.ready is not None, "the in-process engine did not become ready"
+        transport = httpx.ASGITransport(app=server.app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
+            yield client
+    finally:
+        await host.shutdown(0)
+
+
+def run_app(model_dir, tmp_path, body, **app_args):
+    """Run `body(client, http)` against a fresh in-process app whose store is in tmp_path."""
+    async def main():
+        async with in_process(model_dir, responses={"directory": str(tmp_path / "responses")}, **app_args) as http:
+            client = openai.AsyncOpenAI(base_url="http://pomona.test/v1", api_key="x", http_client=http,
+                                        max_retries=0)
+            return await body(client, http)
+    return asyncio.run(main())
+
+
+def test_route_text_stream_and_retrieve(tiny_model_dir, tmp_path):
+    async def body(client, http):
+        whole = await client.responses.create(model="tiny", input="Hello", instructions="Be brief.",
+                                              max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        events = [e async for e in await client.responses.create(
+            model="tiny", input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})]
+        again = await client.responses.retrieve(whole.id)
+        await client.responses.delete(whole.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(whole.id)
+        return whole, events, again
+    whole, events, again = run_app(tiny_model_dir, tmp_path, body)
+    assert whole.id.startswith("resp_") and whole.status == "incomplete" and whole.output_text
+    assert whole.usage.output_tokens == 8 and whole.usage.input_tokens > 0 and whole.store
+    assert again.model_dump() == whole.model_dump()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == events[-1].response.output_text == whole.output_text  # greedy: same text both ways
+
+
+def test_route_forced_call_then_output_follow_up(tiny_model_dir, tmp_path):
+    async def body(client, http):
+        first = await client.responses.create(
+            model="tiny", input="Weather in Paris?", instructions="Use the tools.", tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200, temperature=0)
+        call = first.output[-1]
+        second = await client.responses.create(
+            model="tiny", previous_response_id=first.id, instructions="Use the tools.", tools=[WEATHER_TOOL],
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}],
+            max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        return first, second
+    first, second = run_app(tiny_model_dir, tmp_path, body)
+    call = first.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert second.previous_response_id == first.id and second.output_text
+    # turn 2's prompt starts with turn 1's prompt and answer: the prefix cache serves it
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens
+
+
+def test_route_refusals_and_store_false(tiny_model_dir, tmp_path):
+    async def body(client, http):
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.responses.create(model="tiny", input="x", previous_response_id="resp_" + "0" * 32)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.responses.create(model="tiny", input=[{"role": "robot", "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as builtin:
+            await client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+        kept = await client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+        with pytest.raises(openai.NotFoundError) as unstored:
+            await client.responses.create(model="tiny", input="x", previous_response_id=kept.id)
+        junk = await http.post("/v1/responses", content=b"{not json")
+        return unknown.value, bad.value, builtin.value, kept, unstored.value, junk
+    unknown, bad, builtin, kept, unstored, junk = run_app(tiny_model_dir, tmp_path, body)
+    assert unknown.body["param"] == "previous_response_id" and unknown.body["code"] == "previous_response_not_found"
+    assert bad.body["param"] == "input[0].role" and builtin.body["param"] == "tools[0]"
+    assert kept.store is False and unstored.body["code"] == "previous_response_not_found"
+    assert junk.status_code == 400 and junk.json()["error"]["type"] == "invalid_request_error"
