@@ -25,6 +25,23 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error in Anthropic's shape (its routes, /v1/messages...), same status code."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error", 504: "api_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def body_for(path: str, err: ApiError) -> dict[str, Any]:
+    """An error body in the shape the route's clients parse: Anthropic's on its routes, else OpenAI's."""
+    return err.anthropic_body() if any(p in path for p in ANTHROPIC_PATHS) else err.body()
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)

@@ -27,12 +27,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployments import openai_types as oa
+from deployments import anthropic_api, openai_types as oa, responses_api
 from deployments.admin import AdminRoutes
+from deployments.dialect import respond
 from deployments.engine_host import sampling_to_wire
-from deployments.errors import (ApiError, invalid, not_found, overloaded, server_error, too_large, unauthorized,
+from deployments.errors import (ApiError, body_for, invalid, not_found, overloaded, server_error, too_large, unauthorized,
                                  unavailable)
+from deployments.generation import Pipeline
 from deployments.metrics import IngressMetrics
+from deployments.openai_chat import OpenAIChat
 from deployments.openapi import openapi_route
 from deployments.settings import AppSettings
 from deployments.streaming import SSEResponse, Tracker, collect, sse_events
@@ -67,8 +70,8 @@ class Ready:
         return int(self.info["context_length"])
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
+def error_response(err: ApiError, path: str = "") -> JSONResponse:
+    return JSONResponse(body_for(path, err), status_code=err.status, headers=dict(err.headers))
 
 
 class ApiKeyMiddleware:
@@ -89,14 +92,19 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.digests or _route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        auth = Headers(scope=scope).get("authorization", "")
+        headers = Headers(scope=scope)
+        auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip() and self.allowed(token.strip()):
+        # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token. Either works anywhere.
+        token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
+        if token and self.allowed(token):
             return await self.app(scope, receive, send)
         self.metrics.count(scope["path"], 401)
-        message = ("Missing API key: send it as 'Authorization: Bearer <key>'." if not auth
-                   else "The API key is not valid: check the key you send in 'Authorization: Bearer <key>'.")
-        await error_response(unauthorized(message))(scope, receive, send)
+        sent = auth or headers.get("x-api-key")
+        message = ("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'." if not sent
+                   else "The API key is not valid: check the key you send in 'Authorization: Bearer <key>' "
+                        "or 'x-api-key'.")
+        await error_response(unauthorized(message), _route_path(scope))(scope, receive, send)
 
 
 def _route_path(scope: Scope) -> str:
@@ -134,6 +142,7 @@ class OpenAIServer:
         # ("Already borrowed"), and tokenizing a long prompt must not stall other streams.
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
         self._poller: asyncio.Task | None = None
+        self.pipeline = Pipeline(self)
 
     # -- readiness -------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -142,10 +151,10 @@ class OpenAIServer:
             info = await asyncio.wait_for(self.backend.info(), POLL_TIMEOUT_S)
             async with self._load_lock:  # a poll and a request's refresh may overlap
                 if self._tokenizer is None:
-                    tokenizer = await self._on_tok(self._load_tokenizer)
+                    tokenizer = await self.on_tok(self._load_tokenizer)
                     # Once per load: `get_vocab()` builds a dict of the whole vocabulary (~65 ms for
                     # 49K tokens), and this poll runs every few seconds beside the forward pass.
-                    self._vocab_size = len(await self._on_tok(tokenizer.get_vocab))
+                    self._vocab_size = len(await self.on_tok(tokenizer.get_vocab))
                     self._tokenizer = tokenizer
             self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=self._vocab_size)
         except Exception as exc:  # any failure means "not ready now": keep polling
@@ -159,7 +168,7 @@ class OpenAIServer:
             await self.refresh()
             await asyncio.sleep(POLL_S if self.ready is None else POLL_READY_S)
 
-    async def _on_tok(self, fn: Callable[[], Any]) -> Any:
+    async def on_tok(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn)
 
     def require_ready(self) -> Ready:
@@ -175,6 +184,7 @@ class OpenAIServer:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_route, methods=["GET"]),
                   openapi_route(self.settings.limits, self.settings.engine.max_tokens_limit, self.model_name)]
+        routes += anthropic_api.routes(self) + responses_api.routes(self)
         routes += AdminRoutes(self.backend, self.settings.llm_server.num_replicas, self.metrics).routes()  # type: ignore[arg-type]
         app = Starlette(routes=routes, lifespan=self._lifespan,
                         exception_handlers={HTTPException: self._http_error, Exception: self._crash})
@@ -199,13 +209,13 @@ class OpenAIServer:
         else:
             err = ApiError(exc.status_code, str(exc.detail))
         self.metrics.count(request.url.path if exc.status_code != 404 else "other", err.status)
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         self.metrics.count(request.url.path, 500)
         return error_response(server_error("The server hit an internal error; retrying is safe. "
-                                           "If it persists, check the server log."))
+                                           "If it persists, check the server log."), request.url.path)
 
     async def health(self, request: Request) -> Response:
         if self.ready is None:
@@ -224,45 +234,42 @@ class OpenAIServer:
         return PlainTextResponse(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        dialect = OpenAIChat(self.settings.limits, self.settings.engine.max_tokens_limit,
+                             lambda: _decoder(self.require_ready()))
+        return await respond(request, dialect, self.pipeline, self.read_json, self.model_name)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
+        return await self._generate(request)
 
     # -- generation ------------------------------------------------------------------------------
-    def _parse(self, raw: bytes, kind: str) -> oa.ParsedRequest:
-        body = oa.decode_body(raw)
-        parse = oa.parse_chat if kind == "chat" else oa.parse_completion
-        parsed = parse(body, self.settings.limits, self.settings.engine.max_tokens_limit)
-        if parsed.model not in (self.model_name, self.settings.model):
-            raise not_found(f"The model {parsed.model!r} does not exist here; this server serves "
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        return oa.decode_body(await read_body(request, self.settings.limits.max_body_bytes))
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.settings.model):
+            raise not_found(f"The model {name!r} does not exist here; this server serves "
                             f"{self.model_name!r} (GET /v1/models).", param="model", code="model_not_found")
+
+    async def first(self, stream: AsyncIterator[Any]) -> list[Any]:
+        return await _first(stream)
+
+    def _parse(self, raw: bytes) -> oa.ParsedRequest:
+        parsed = oa.parse_completion(oa.decode_body(raw), self.settings.limits, self.settings.engine.max_tokens_limit)
+        self.check_model(parsed.model)
         return parsed
 
     async def _tokens(self, parsed: oa.ParsedRequest, ready: Ready) -> list[int]:
         tok = ready.tokenizer
-        if parsed.kind == "chat":
-            if not getattr(tok, "chat_template", None):
-                raise invalid("This model has no chat template; use /v1/completions with a plain prompt.")
-            messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
-
-            def work() -> list[int]:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                return list(tok.encode(text, add_special_tokens=False))
-            try:
-                return await self._on_tok(work)
-            except Exception as exc:  # the model's template refused these messages (e.g. role order)
-                raise invalid(f"The chat template rejected these messages: {exc}", param="messages")
         if isinstance(parsed.prompt, tuple):
             if max(parsed.prompt) >= ready.vocab_size:
                 raise invalid(f"'prompt' token ids must be below the vocabulary size {ready.vocab_size}.",
                               param="prompt")
             return list(parsed.prompt)
-        return list(await self._on_tok(lambda: tok.encode(parsed.prompt)))
+        return list(await self.on_tok(lambda: tok.encode(parsed.prompt)))
 
     def _params(self, parsed: oa.ParsedRequest, n_prompt: int, ready: Ready) -> dict[str, Any]:
         context, limit = ready.context_length, self.settings.limits.max_prompt_tokens
-        param = "messages" if parsed.kind == "chat" else "prompt"
+        param = "prompt"
         if limit is not None and n_prompt > limit:
             raise invalid(f"The prompt has {n_prompt} tokens; this server accepts at most {limit}. "
                           "Shorten the prompt.", param=param, code="context_length_exceeded")
@@ -276,15 +283,15 @@ class OpenAIServer:
                           param=param, code="context_length_exceeded")
         return sampling_to_wire(dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
 
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def _generate(self, request: Request) -> Response:
         route, started = request.url.path, time.monotonic()
         stream: AsyncIterator[Any] | None = None
         try:
-            parsed = self._parse(await read_body(request, self.settings.limits.max_body_bytes), kind)
+            parsed = self._parse(await read_body(request, self.settings.limits.max_body_bytes))
             ready = self.require_ready()
             tokens = await self._tokens(parsed, ready)
             params = self._params(parsed, len(tokens), ready)
-            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            rid = f"cmpl-{uuid.uuid4().hex}"
             stream = self.backend.stream(tokens, params, rid)
             first = await _first(stream)
         except ApiError as err:
@@ -357,7 +364,7 @@ def _decoder(ready: Ready) -> Callable[[int], str]:
 
 @dataclass(frozen=True)
 class _Shape:
-    """Builds this request's OpenAI objects (chat or completion, streamed or whole)."""
+    """Builds this completion request's OpenAI objects (streamed or whole); chat is deployments.openai_chat."""
 
     rid: str
     created: int
@@ -365,21 +372,11 @@ class _Shape:
     parsed: oa.ParsedRequest
     fmt: oa.LogprobFormatter
 
-    @property
-    def chat(self) -> bool:
-        return self.parsed.kind == "chat"
-
     def preamble(self) -> list[dict[str, Any]]:
-        if not self.chat:
-            return []
-        return [oa.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""},
-                              with_usage=self.parsed.include_usage)]
+        return []
 
     def chunks(self, text: str, lps: list[dict[str, Any]], finish: str | None, offset: int) -> list[dict[str, Any]]:
         want = self.parsed.logprobs
-        if self.chat:
-            return [oa.chat_chunk(self.rid, self.created, self.model, {"content": text} if text else {}, finish,
-                                  self.fmt.chat(lps) if want else None, with_usage=self.parsed.include_usage)]
         chunk = oa.completion_response(self.rid, self.created, self.model, text, finish, None,
                                        self.fmt.completion(lps, offset) if want else None, stream=True)
         if self.parsed.include_usage:
@@ -387,13 +384,8 @@ class _Shape:
         return [chunk]
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        build = oa.chat_usage_chunk if self.chat else oa.completion_usage_chunk
-        return build(self.rid, self.created, self.model, usage)
+        return oa.completion_usage_chunk(self.rid, self.created, self.model, usage)
 
     def whole(self, t: Tracker) -> dict[str, Any]:
-        text = "".join(t.text)
-        if self.chat:
-            lps = self.fmt.chat(t.logprobs) if self.parsed.logprobs else None
-            return oa.chat_response(self.rid, self.created, self.model, text, t.finish, t.usage, lps)
         lps = self.fmt.completion(t.logprobs, 0) if self.parsed.logprobs else None
-        return oa.completion_response(self.rid, self.created, self.model, text, t.finish, t.usage, lps)
+        return oa.completion_response(self.rid, self.created, self.model, "".join(t.text), t.finish, t.usage, lps)

@@ -15,20 +15,22 @@ from engine.types import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 from deployments.errors import ApiError, invalid
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's own bound for /v1/completions
 MAX_SEED = 2**63 - 1
 # Fields that would change what the client gets back; ignoring them silently would be a lie.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported; describe the tool in the prompt instead",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "logit_bias": "logit_bias is not supported; remove it",
+    "functions": "the legacy 'functions' field is not supported; send the same functions as 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "suffix": "suffix (insertion) is not supported",
 }
+# Chat features that /v1/completions (a plain prompt, no chat template) cannot honour.
+CHAT_ONLY = {
+    "tools": "tool calling needs a chat template: use /v1/chat/completions",
+    "tool_choice": "tool calling needs a chat template: use /v1/chat/completions",
+}
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own bound
 
 
 @dataclass(frozen=True)
@@ -63,19 +65,12 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
 class ParsedRequest:
     """A validated request. `max_tokens` None means: the default, bounded by the room left in context."""
 
-    kind: str  # "chat" or "completion"
+    kind: str  # "completion" (chat requests parse into deployments.conversation.Conversation)
     model: str
     sampling: SamplingParams  # its max_tokens is a placeholder until the prompt length is known
-    messages: tuple[ChatMessage, ...] = ()
     prompt: str | tuple[int, ...] = ""
     max_tokens: int | None = None
     stream: bool = False
@@ -110,7 +105,7 @@ _KINDS: dict[type, str] = {int: "an integer", float: "a number", bool: "a boolea
                           list: "an array", dict: "an object"}
 
 
-def _field(body: Mapping[str, Any], name: str, kind: type, default: Any = None) -> Any:
+def read_field(body: Mapping[str, Any], name: str, kind: type, default: Any = None) -> Any:
     """Read an optional field, checking its JSON type (bool is not a number here)."""
     value = body.get(name)
     if value is None:
@@ -125,23 +120,26 @@ def _field(body: Mapping[str, Any], name: str, kind: type, default: Any = None) 
     return value
 
 
-def _check_unsupported(body: Mapping[str, Any]) -> None:
-    for name, why in UNSUPPORTED.items():
+def _check_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    for name, why in (UNSUPPORTED if chat else {**UNSUPPORTED, **CHAT_ONLY}).items():
         if body.get(name) not in (None, [], {}, ""):
             raise invalid(f"'{name}': {why}.", param=name)
-    if _field(body, "n", int, 1) != 1:
-        raise invalid("'n' must be 1: Pomona returns one choice per request; send several requests instead.",
-                      param="n")
-    if _field(body, "best_of", int, 1) != 1:
+    if read_field(body, "best_of", int, 1) != 1:
         raise invalid("'best_of' must be 1.", param="best_of")
-    if _field(body, "echo", bool, False):
+    if chat:  # n and response_format are the chat dialect's (deployments/openai_chat.py)
+        return
+    if read_field(body, "n", int, 1) != 1:
+        raise invalid("'n' must be 1 on /v1/completions; use /v1/chat/completions for several choices, "
+                      "or send several requests.", param="n")
+    if read_field(body, "echo", bool, False):
         raise invalid("'echo' is not supported; remove it.", param="echo")
-    fmt = _field(body, "response_format", dict)
+    fmt = read_field(body, "response_format", dict)
     if fmt is not None and fmt.get("type", "text") != "text":
-        raise invalid("Only response_format {\"type\": \"text\"} is supported.", param="response_format")
+        raise invalid("/v1/completions takes only response_format {\"type\": \"text\"}; structured output "
+                      "is served on /v1/chat/completions.", param="response_format")
 
 
-def _stop(body: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
+def stop_strings(body: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
         return ()
@@ -157,7 +155,7 @@ def _stop(body: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
 
 def _max_tokens(body: Mapping[str, Any], limit: int) -> int | None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _field(body, name, int)
+    value = read_field(body, name, int)
     if value is None:
         return None
     if value < 1:
@@ -167,18 +165,19 @@ def _max_tokens(body: Mapping[str, Any], limit: int) -> int | None:
     return value
 
 
-def _sampling(body: Mapping[str, Any], limits: Limits, logprobs: int | None) -> SamplingParams:
-    seed = _field(body, "seed", int)
+def sampling_fields(body: Mapping[str, Any], limits: Limits, logprobs: int | None) -> SamplingParams:
+    seed = read_field(body, "seed", int)
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise invalid(f"'seed' must be in [0, {MAX_SEED}].", param="seed")
     values = dict(
-        temperature=_field(body, "temperature", float, 1.0), top_p=_field(body, "top_p", float, 1.0),
-        top_k=_field(body, "top_k", int, 0), min_p=_field(body, "min_p", float, 0.0),
-        repetition_penalty=_field(body, "repetition_penalty", float, 1.0),
-        presence_penalty=_field(body, "presence_penalty", float, 0.0),
-        frequency_penalty=_field(body, "frequency_penalty", float, 0.0),
-        seed=seed, stop=_stop(body, limits), logprobs=logprobs,
-        ignore_eos=_field(body, "ignore_eos", bool, False),  # vLLM-style extension, for benchmarks
+        temperature=read_field(body, "temperature", float, 1.0), top_p=read_field(body, "top_p", float, 1.0),
+        top_k=read_field(body, "top_k", int, 0), min_p=read_field(body, "min_p", float, 0.0),
+        repetition_penalty=read_field(body, "repetition_penalty", float, 1.0),
+        presence_penalty=read_field(body, "presence_penalty", float, 0.0),
+        frequency_penalty=read_field(body, "frequency_penalty", float, 0.0),
+        seed=seed, stop=stop_strings(body, limits), logprobs=logprobs,
+        ignore_eos=read_field(body, "ignore_eos", bool, False),  # vLLM-style extension, for benchmarks
+        logit_bias=logit_bias(body.get("logit_bias")),
     )
     if values["top_k"] < 0:  # OpenAI-compatible servers use -1 for "off"
         values["top_k"] = 0 if values["top_k"] == -1 else values["top_k"]
@@ -190,57 +189,42 @@ def _sampling(body: Mapping[str, Any], limits: Limits, logprobs: int | None) -> 
         raise invalid(f"{message}.", param=param if param in values else None)
 
 
-def _common(body: Mapping[str, Any], limits: Limits, engine_max_tokens: int) -> dict[str, Any]:
-    _check_unsupported(body)
-    model = _field(body, "model", str)
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map, bias in [-100, 100]; ids are checked against the vocabulary
+    once the tokenizer is known (deployments.generation)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids (as strings) to numbers.", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries.", param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}.", param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
+def common_fields(body: Mapping[str, Any], limits: Limits, engine_max_tokens: int,
+                  chat: bool = False) -> dict[str, Any]:
+    _check_unsupported(body, chat)
+    model = read_field(body, "model", str)
     if not model:
         raise invalid("'model' is required; GET /v1/models lists the served model.", param="model")
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict)
+    stream = read_field(body, "stream", bool, False)
+    options = read_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise invalid("'stream_options' is only allowed with \"stream\": true.", param="stream_options")
-    include_usage = _field(options or {}, "include_usage", bool, False)
+    include_usage = read_field(options or {}, "include_usage", bool, False)
     limit = min(limits.max_tokens or engine_max_tokens, engine_max_tokens)
     return dict(model=model, stream=stream, include_usage=include_usage,
-                max_tokens=_max_tokens(body, limit), user=_field(body, "user", str))
+                max_tokens=_max_tokens(body, limit), user=read_field(body, "user", str))
 
 
-def parse_chat(body: Mapping[str, Any], limits: Limits, engine_max_tokens: int) -> ParsedRequest:
-    common = _common(body, limits, engine_max_tokens)
-    messages = _messages(body.get("messages"), limits)
-    want = _field(body, "logprobs", bool, False)
-    top = _field(body, "top_logprobs", int)
-    if top is not None and not want:
-        raise invalid("'top_logprobs' needs \"logprobs\": true.", param="top_logprobs")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise invalid(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs")
-    sampling = _sampling(body, limits, (top or 0) if want else None)
-    return ParsedRequest(kind="chat", sampling=sampling, messages=messages, logprobs=want, **common)
-
-
-def _messages(value: Any, limits: Limits) -> tuple[ChatMessage, ...]:
-    if not isinstance(value, list):
-        raise invalid("'messages' must be an array of {\"role\", \"content\"} objects.", param="messages")
-    if not value:
-        raise invalid("'messages' is empty; send at least one message.", param="messages")
-    if len(value) > limits.max_messages:
-        raise invalid(f"'messages' may hold at most {limits.max_messages} messages.", param="messages")
-    return tuple(_message(m, i) for i, m in enumerate(value))
-
-
-def _message(item: Any, index: int) -> ChatMessage:
-    where = f"messages[{index}]"
-    if not isinstance(item, dict):
-        raise invalid(f"'{where}' must be an object with \"role\" and \"content\".", param=where)
-    role = item.get("role")
-    if not isinstance(role, str) or role not in ROLES:  # a list or object role is unhashable: check type first
-        raise invalid(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}.", param=f"{where}.role")
-    if item.get("tool_calls") or item.get("function_call"):
-        raise invalid(f"'{where}': tool calls are not supported.", param=f"{where}.tool_calls")
-    return ChatMessage(ROLES[role], _content(item.get("content"), f"{where}.content"))
-
-
-def _content(value: Any, where: str) -> str:
+def text_content(value: Any, where: str) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -255,11 +239,11 @@ def _content(value: Any, where: str) -> str:
 
 
 def parse_completion(body: Mapping[str, Any], limits: Limits, engine_max_tokens: int) -> ParsedRequest:
-    common = _common(body, limits, engine_max_tokens)
-    logprobs = _field(body, "logprobs", int)
+    common = common_fields(body, limits, engine_max_tokens)
+    logprobs = read_field(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise invalid(f"'logprobs' must be between 0 and {MAX_COMPLETION_LOGPROBS}.", param="logprobs")
-    sampling = _sampling(body, limits, logprobs)
+    sampling = sampling_fields(body, limits, logprobs)
     return ParsedRequest(kind="completion", sampling=sampling, prompt=_prompt(body.get("prompt")),
                          logprobs=logprobs is not None, **common)
 
@@ -300,13 +284,6 @@ def _envelope(obj: str, rid: str, created: int, model: str) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish: str | None,
-                  usage: Mapping[str, int], logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
-    return {**_envelope("chat.completion", rid, created, model), "choices": [choice], "usage": usage_body(usage)}
-
-
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish: str | None = None,
                logprobs: list[dict[str, Any]] | None = None, with_usage: bool = False) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs is not None else None,
@@ -315,10 +292,6 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], finish
     if with_usage:
         chunk["usage"] = None  # OpenAI sends null on every chunk but the last when usage is asked for
     return chunk
-
-
-def chat_usage_chunk(rid: str, created: int, model: str, usage: Mapping[str, int]) -> dict[str, Any]:
-    return {**_envelope("chat.completion.chunk", rid, created, model), "choices": [], "usage": usage_body(usage)}
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish: str | None,

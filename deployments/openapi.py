@@ -16,7 +16,8 @@ from starlette.routing import Route
 
 from engine.types import MAX_LOGPROBS
 
-from deployments.openai_types import MAX_COMPLETION_LOGPROBS, MAX_SEED, ROLES, Limits
+from deployments.openai_chat import ROLES
+from deployments.openai_types import MAX_COMPLETION_LOGPROBS, MAX_SEED, Limits
 
 JSON = "application/json"
 
@@ -44,14 +45,37 @@ def sampling_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
     }
 
 
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
+TOOL_CHOICE = {"anyOf": [{"enum": ["auto", "none", "required"]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"],
+                                                     "properties": {"name": {"type": "string"}}}}}]}
+RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+        "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}
+
+
 def chat_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"enum": sorted(ROLES)},
-                              "content": {"type": "string", "maxLength": 2000}}}
+                              "content": {"type": ["string", "null"], "maxLength": 2000},
+                              "tool_call_id": {"type": "string"},
+                              "tool_calls": {"type": "array", "items": {"type": "object"}}}}
     props = sampling_schema(limits, max_tokens)
     props.update(messages={"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
                  max_completion_tokens=props["max_tokens"], logprobs={"type": "boolean"},
-                 top_logprobs={"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
+                 top_logprobs={"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                 tools={"type": "array", "items": TOOL, "maxItems": 128}, tool_choice=TOOL_CHOICE,
+                 parallel_tool_calls={"type": "boolean"}, response_format=RESPONSE_FORMAT,
+                 n={"type": "integer", "minimum": 1, "maximum": 16},
+                 logit_bias={"type": "object", "additionalProperties": _number(-100, 100)},
+                 separate_reasoning={"type": "boolean", "description": "false: keep reasoning inline in content"},
+                 chat_template_kwargs={"type": "object", "description": "passed to the chat template"})
     return {"type": "object", "required": ["model", "messages"], "properties": props}
 
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from deployments import openai_types as oa
+from deployments.openai_chat import parse_chat
 from deployments.errors import ApiError
 from deployments.metrics import IngressMetrics
 from deployments.settings import AppSettings
@@ -17,7 +18,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def chat(**body):
-    return oa.parse_chat({"model": "m", "messages": MSG, **body}, LIMITS, 4096)
+    return parse_chat({"model": "m", "messages": MSG, **body}, LIMITS, 4096)
 
 
 def refused(fn, **body) -> ApiError:
@@ -32,12 +33,12 @@ def test_defaults_and_mapping():
              logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True}, user="u1")
     assert p.max_tokens == 5  # max_completion_tokens wins, as in OpenAI's API
     assert p.sampling.temperature == 0.0 and p.sampling.top_k == 0 and p.sampling.stop == ("END",)
-    assert p.sampling.logprobs == 2 and p.logprobs and p.include_usage and p.user == "u1"
+    assert p.sampling.logprobs == 2 and p.logprobs and p.include_usage
     assert chat().max_tokens is None and chat().sampling.logprobs is None
 
 
 def test_content_parts_and_developer_role():
-    p = oa.parse_chat({"model": "m", "messages": [
+    p = parse_chat({"model": "m", "messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, LIMITS, 10)
     assert [(m.role, m.content) for m in p.messages] == [("system", "be brief"), ("user", "ab")]
@@ -46,12 +47,17 @@ def test_content_parts_and_developer_role():
 @pytest.mark.parametrize("body,param", [
     ({"temperature": "hot"}, "temperature"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 5000}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"), ({"n": 3}, "n"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": [""]}, "stop"), ({"stop": 7}, "stop"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"max_tokens": 1.5}, "max_tokens"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [""]}, "stop"), ({"stop": 7}, "stop"), ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"seed": -1}, "seed"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"model": ""}, "model"),
-    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"), ({"model": ""}, "model"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"), ({"messages": ["hi"]}, "messages[0]"),
     ({"presence_penalty": 9}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
@@ -88,7 +94,7 @@ def test_decode_body_refuses_bad_bytes(raw):
                                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c,
                                                                                         max_size=3), max_leaves=8)))
 def test_fuzzed_bodies_parse_or_refuse_with_400(body):
-    for parse in (oa.parse_chat, oa.parse_completion):
+    for parse in (parse_chat, oa.parse_completion):
         try:
             parse(body, LIMITS, 4096)
         except ApiError as err:
@@ -97,7 +103,7 @@ def test_fuzzed_bodies_parse_or_refuse_with_400(body):
 
 def test_response_shapes_round_trip_through_json():
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1}
-    body = oa.chat_response("id", 1, "m", "hi", "stop", usage, None)
+    body = oa.completion_response("id", 1, "m", "hi", "stop", usage, None)
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 1}}
     assert oa.sse(body).startswith("data: {") and oa.sse(body).endswith("\n\n")

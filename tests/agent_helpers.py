@@ -1,0 +1,87 @@
+"""Helpers for the agent-API tests: a tiny model whose chat template knows tools, an in-process app
+(the real Starlette app over a real engine, no Ray) reachable by the official SDKs, and tool sets."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+
+# A Hermes/Qwen2.5-style template: tools listed in the system turn, calls as <tool_call> JSON, tool
+# results as <tool_response> in a user turn. mlx-lm infers its `json_tools` parser from the
+# "<tool_call>" and "tool_call.name" in it, so this is the native path (not Pomona's fallback).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "# Tools\n<tools>\n{%- for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call a tool as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{{ message.content or '' }}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}\n"
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 24},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "unit"],
+    "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 32},
+                                           "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
+          "required": ["query"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "search_docs", "description": "Search the docs.",
+                                      "parameters": SEARCH}},
+]
+SCHEMAS = {"get_weather": WEATHER, "search_docs": SEARCH}
+
+
+def tools_model_dir(base: Path, out: Path) -> Path:
+    """A copy of the tiny model whose tokenizer's chat template knows tools."""
+    if not out.exists():
+        shutil.copytree(base, out)
+        config_path = out / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["chat_template"] = TOOLS_TEMPLATE
+        config_path.write_text(json.dumps(config))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def in_process(model_dir: Path, **app_args: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The real app on a real engine in this process; an httpx client whose transport is the app."""
+    from deployments.engine_host import EngineHost, load_tokenizer
+    from deployments.http_app import OpenAIServer
+    from deployments.settings import AppSettings
+
+    from e2e_helpers import tiny_args
+
+    settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
+    host = EngineHost(settings.engine)
+    await host.start()
+    server = OpenAIServer(settings, host, lambda: load_tokenizer(str(model_dir)), api_keys=settings.api_keys)
+    try:
+        await server.refresh()
+        assert server.ready is not None, "the in-process engine did not become ready"
+        transport = httpx.ASGITransport(app=server.app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
+            yield client
+    finally:
+        await host.shutdown(0)
