@@ -160,16 +160,11 @@ def _tool_lark(body_json: str, mode: str, parallel: bool, start: str, end: str, 
     else:  # text up to the first start marker (lazy), then the call is constrained
         call = f'call: call_hd "\\n"? body "\\n"? {tail}'
         rules += [call, f"call_hd[lazy]: TEXT {head}"]
-        if mode == "auto":  # the closing free text must not contain a start marker
-            rules += ["start: call* TAIL", f"TAIL: /(.|\\n)*/ & ~/(?s:.*){_escape(start)}(?s:.*)/"]
+        if mode == "auto":  # llguidance ends a lazy lexeme at its first match: TEXT cannot run past a marker
+            rules.append("start: call* TEXT")
         else:
             rules.append("start: call+" if many else "start: call")
     return LLMatcher.grammar_from_lark("\n".join(rules))
-
-
-def _escape(text: str) -> str:
-    """`text` as a literal inside a lark /regex/ (hex escapes: `\\<` is a word boundary to Rust's regex)."""
-    return "".join(c if c.isascii() and c.isalnum() else "\\x{%x}" % ord(c) for c in text)
 
 
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, start: str, end: str,
