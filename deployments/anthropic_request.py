@@ -27,7 +27,7 @@ from deployments.openai_chat import MAX_TOOLS, check_choice, tool_from
 JOIN = "\n\n"
 # Pomona's own sampling extensions, accepted beside Anthropic's temperature / top_p / top_k.
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "ignore_eos")
+            "frequency_penalty", "ignore_eos", "logit_bias")
 CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 USER_BLOCKS = ("text", "tool_result")
