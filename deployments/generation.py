@@ -15,10 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from mlx_lm.tool_parsers import json_tools
+
 from deployments.conversation import Completion, Conversation, OutputEvent, Tool, Usage
 from deployments.engine_host import sampling_to_wire
 from deployments.errors import invalid, server_error
-from deployments.grammars import GrammarError, answer_grammar, check_grammar, tool_grammar
+from deployments.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
+                                  tool_grammar)
 from deployments.output_parser import OutputParser
 from deployments.streaming import Tracker
 from deployments.tool_syntax import TemplateError, ToolSyntax, render_prompt, syntax_for
@@ -77,10 +80,9 @@ class Pipeline:
         if not getattr(tok, "chat_template", None):
             raise invalid("This model has no chat template; use /v1/completions with a plain prompt.")
         syntax = self.syntax(tok)
-        tools = conv.tools if conv.tool_choice.mode != "none" else ()
 
         def work() -> tuple[str, list[int]]:
-            text = render_prompt(tok, conv.messages, tools, syntax, dict(conv.chat_template_kwargs))
+            text = render_prompt(tok, conv.messages, conv.tools, syntax, dict(conv.chat_template_kwargs))
             return text, list(tok.encode(text, add_special_tokens=False))
         try:
             text, tokens = await self.host.on_tok(work)
@@ -92,16 +94,19 @@ class Pipeline:
         self.host.check_model(conv.model)
         return len((await self.render(conv))[1])
 
-    def grammar(self, conv: Conversation, syntax: ToolSyntax) -> tuple[str | None, str]:
+    def grammar(self, conv: Conversation, syntax: ToolSyntax, tokenizer: Any) -> tuple[str | None, str]:
         """The request's grammar (or None) and the client's field it came from."""
         choice, tools = conv.tool_choice, conv.tools
+        start, end = special_marker_id(tokenizer, syntax.start), special_marker_id(tokenizer, syntax.end)
+        if tools and choice.mode == "none" and conv.output_format.kind == "text":
+            # The tools stay in the prompt (so the next turn's prefix is cached); the grammar keeps
+            # the model from writing a call, which "none" promises.
+            return no_call_grammar(syntax.start, start), conv.tools_param
         if tools and choice.mode != "none":
             forced = choice.mode in ("required", "named") or any(t.strict for t in tools)
-            if forced:
-                if not syntax.json_body and choice.mode == "auto":
-                    return None, conv.tools_param  # strict under auto needs a JSON call body to constrain
+            if forced and (syntax.json_body or choice.mode != "auto"):
                 return tool_grammar(tools, choice, conv.parallel_tool_calls, syntax.start, syntax.end,
-                                    allow_text=choice.mode == "auto"), conv.tools_param
+                                    allow_text=False, start_token=start, end_token=end), conv.tools_param
         return answer_grammar(conv.output_format), conv.format_param
 
     async def prepare(self, conv: Conversation) -> Prepared:
@@ -112,11 +117,14 @@ class Pipeline:
             raise invalid(f"'logit_bias' token ids must be below the vocabulary size {ready.vocab_size}.",
                           param="logit_bias")
         try:
-            grammar, param = self.grammar(conv, syntax)
+            grammar, param = self.grammar(conv, syntax, ready.tokenizer)
             if grammar is not None:
                 await self.host.on_tok(lambda: check_grammar(grammar))
         except GrammarError as exc:
             raise invalid(f"The schema cannot be used: {exc}. Fix the schema.", param=param)
+        if grammar is not None and param == conv.tools_param and not syntax.json_body:
+            # The grammar wrote the call as JSON between the model's own markers: parse it as such.
+            syntax = dataclasses.replace(syntax, name="json_tools", parse=json_tools.parse_tool_call, json_body=True)
         sampling = dataclasses.replace(conv.sampling, max_tokens=self._max_tokens(conv, len(tokens), ready),
                                        grammar=grammar)
         return Prepared(conv, tuple(tokens), sampling_to_wire(sampling), syntax,

@@ -16,9 +16,9 @@ section (the text between a call's start and end markers) is parsed with the syn
   `json.dumps(arguments, ensure_ascii=False)`, one end. Ids: the parser's (kimi_k2, mistral) or
   `call_` + 24 hex digits.
 - A section that cannot be parsed as calls (malformed, or cut off by max_tokens before its name
-  was known) becomes content: the model's text, markers included, so an agent sees what the
-  model wrote instead of losing it (mlx_lm.server drops it with a warning). This is the one case
-  where call markup reaches content.
+  was known) is dropped with a warning, as mlx_lm.server does, and counted in `dropped_calls`:
+  call markup never reaches content (the most common complaint about the peers is raw markup in
+  `content`, which breaks agent clients that display or re-send it).
 - A streamed call whose start already went out but whose arguments then break (cut by "length",
   or invalid JSON) still ends with `ToolCallEnd`, its `arguments` the text sent so far: the client
   already holds the call, as OpenAI's own truncated calls look. Its index is in `invalid_calls`.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import uuid
 from typing import Any, Sequence
 
@@ -39,6 +40,8 @@ from mlx_lm.generate import TextStateMachine
 from deployments.conversation import (OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
                                       ToolCallEnd, ToolCallStart)
 from deployments.tool_syntax import ToolSyntax
+
+log = logging.getLogger("pomona.ingress")
 
 
 def new_call_id() -> str:
@@ -221,6 +224,7 @@ class OutputParser:
         self._reasoning: list[str] = []
         self._calls: list[ToolCall] = []
         self._invalid: list[int] = []
+        self._dropped = 0
         self._section: _Section | None = None
         self._ws = ""  # whitespace-only content held back: dropped if a call comes next
         self._ws_before = ""  # what was held when the current section began
@@ -317,10 +321,11 @@ class OutputParser:
             self._close_streamed(sec, events)
             return
         calls = self._parse(sec.raw)
-        if calls is None:  # not a call: the model's text, markers and all, is content
-            self._ws = self._ws_before
-            end = self._syntax.end if terminated else ""
-            self._content(self._syntax.start + sec.raw + end, events)
+        if calls is None:  # not a call: dropped, never content (see the module docstring)
+            self._ws, self._after_call = self._ws_before, True  # spacing around it goes too
+            self._dropped += 1
+            log.warning("dropped a tool call that does not parse (%s, %d chars%s)", self._syntax.name,
+                        len(sec.raw), "" if terminated else ", cut off")
             return
         self._emit_calls(calls, events)
 
@@ -377,6 +382,11 @@ class OutputParser:
     def invalid_calls(self) -> tuple[int, ...]:
         """Indices of calls whose arguments are not a JSON object (cut off after their start)."""
         return tuple(self._invalid)
+
+    @property
+    def dropped_calls(self) -> int:
+        """Call sections that did not parse and were dropped."""
+        return self._dropped
 
     def finish_reason(self, engine_reason: str) -> str:
         """"length" when max_tokens cut the answer, "tool_calls" when a call was parsed, else "stop"."""

@@ -64,9 +64,27 @@ def tools_model_dir(base: Path, out: Path) -> Path:
     return out
 
 
+class AsyncReplica:
+    """A real EngineHost as the ingress reaches it: Ray's handle makes `info`/`stats` awaitable."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    def stream(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str) -> Any:
+        return self.host.stream(prompt_tokens, params, request_id)
+
+    async def info(self) -> dict[str, Any]:
+        return self.host.info()
+
+    async def stats(self) -> dict[str, Any]:
+        return self.host.stats()
+
+
 @contextlib.asynccontextmanager
-async def in_process(model_dir: Path, **app_args: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The real app on a real engine in this process; an httpx client whose transport is the app."""
+async def in_process(model_dir: Path, http_lib: Any = httpx, **app_args: Any) -> AsyncIterator[Any]:
+    """The real app on a real engine in this process; an async client whose transport is the app.
+
+    `http_lib` is httpx, or httpx2 for the anthropic SDK (which refuses httpx objects)."""
     from deployments.engine_host import EngineHost, load_tokenizer
     from deployments.http_app import OpenAIServer
     from deployments.settings import AppSettings
@@ -76,12 +94,13 @@ async def in_process(model_dir: Path, **app_args: Any) -> AsyncIterator[httpx.As
     settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
     host = EngineHost(settings.engine)
     await host.start()
-    server = OpenAIServer(settings, host, lambda: load_tokenizer(str(model_dir)), api_keys=settings.api_keys)
+    server = OpenAIServer(settings, AsyncReplica(host), lambda: load_tokenizer(str(model_dir)),
+                          api_keys=settings.api_keys)
     try:
         await server.refresh()
         assert server.ready is not None, "the in-process engine did not become ready"
-        transport = httpx.ASGITransport(app=server.app())
-        async with httpx.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
+        transport = http_lib.ASGITransport(app=server.app())
+        async with http_lib.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
             yield client
     finally:
         await host.shutdown(0)

@@ -52,22 +52,23 @@ def test_required_and_named_calls_always_valid(model_dir):
             for choice in ("required", {"type": "function", "function": {"name": "search_docs"}}):
                 outs.append((choice, await client.chat.completions.create(
                     model="tiny", messages=MSG, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed,
-                    max_tokens=120)))
+                    parallel_tool_calls=False, max_tokens=120)))
         return outs
     for choice, out in run(model_dir, body):
         c = out.choices[0]
         assert c.finish_reason == "tool_calls", c
         assert c.message.tool_calls and "<tool_call>" not in (c.message.content or "")
-        for call in c.message.tool_calls:
-            valid_call(call)
-            if isinstance(choice, dict):
-                assert call.function.name == "search_docs"
+        assert len(c.message.tool_calls) == 1  # parallel_tool_calls false: exactly one
+        valid_call(c.message.tool_calls[0])
+        if isinstance(choice, dict):
+            assert c.message.tool_calls[0].function.name == "search_docs"
 
 
 def test_full_tool_loop(model_dir):
     async def body(client):
-        first = await client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS,
-                                                     tool_choice="required", temperature=0, max_tokens=120)
+        first = await client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, temperature=0,
+                                                     tool_choice="required", parallel_tool_calls=False,
+                                                     max_tokens=120)
         call = first.choices[0].message.tool_calls[0]
         history = MSG + [first.choices[0].message.model_dump(exclude_none=True),
                          {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'}]
@@ -80,6 +81,8 @@ def test_full_tool_loop(model_dir):
     assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
     assert isinstance(answer.message.content, str) and "<tool_call>" not in answer.message.content
     assert final.usage.prompt_tokens > first.usage.prompt_tokens
+    # the tools stay in the prompt under "none": the second turn starts with the first's prompt (cached)
+    assert final.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 2
 
 
 def reassemble(chunks) -> tuple[str, list[dict], str, int]:
@@ -105,7 +108,7 @@ def test_streamed_calls_match_whole_and_arrive_in_pieces(model_dir):
         pairs = []
         for seed in range(3):
             kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0,
-                      seed=seed, max_tokens=120)
+                      seed=seed, max_tokens=120, parallel_tool_calls=False)
             whole = await client.chat.completions.create(**kw)
             stream = [c async for c in await client.chat.completions.create(stream=True, **kw)]
             pairs.append((whole, stream))
@@ -141,7 +144,7 @@ def test_json_schema_and_json_object_always_hold(tiny_model_dir):
         outs = [await client.chat.completions.create(model="tiny", messages=MSG, response_format=schema_format,
                                                      temperature=1.0, seed=s, max_tokens=200) for s in SEEDS]
         objs = [await client.chat.completions.create(model="tiny", messages=MSG, temperature=1.0, seed=s,
-                                                     response_format={"type": "json_object"}, max_tokens=200)
+                                                     response_format={"type": "json_object"}, max_tokens=1500)
                 for s in range(4)]
         return outs, objs
     outs, objs = run(tiny_model_dir, body)
@@ -178,7 +181,8 @@ def test_free_requests_keep_their_greedy_text_beside_constrained_ones(tiny_model
             free(client), *(client.chat.completions.create(model="tiny", messages=MSG, response_format=fmt,
                                                            temperature=1.0, seed=s, max_tokens=120) for s in range(3)),
             client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
-                                           temperature=1.0, seed=9, max_tokens=120), free(client))
+                                           parallel_tool_calls=False, temperature=1.0, seed=9, max_tokens=120),
+            free(client))
         return alone, mixed
     alone, mixed = run(tiny_model_dir, body)
     assert mixed[0] == alone and mixed[-1] == alone

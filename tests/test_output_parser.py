@@ -194,22 +194,23 @@ def test_tools_disabled_markers_are_content(tokenizer):
     assert all(isinstance(e, TextDelta) for e in events) and parser.finish_reason("stop") == "stop"
 
 
-def test_malformed_call_is_content_and_later_calls_still_parse(tokenizer):
+def test_malformed_call_is_dropped_not_content_and_later_calls_still_parse(tokenizer):
     syntax = syntax_for(tokenizer)
     bad = '<tool_call>\n{"name": get_weather, "arguments": {"city": "Paris"}}\n</tool_call>'
     good = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
     text = f"First.\n{bad}\n{good}"
     events = split_everywhere(lambda: OutputParser(syntax, TOOLS), text)
-    assert events[0] == TextDelta(f"First.\n{bad}")  # the model's text, not lost
+    assert events[0] == TextDelta("First.")  # the markup never reaches content
     assert events[1][:2] == ("start", 0) and events[-1][3:] == ("get_time", '{"tz": "UTC"}')
     parser = OutputParser(syntax, TOOLS)
     run(parser, [text])
     assert parser.finish_reason("stop") == "tool_calls" and parser.invalid_calls == ()
+    assert parser.text == "First." and parser.dropped_calls == 1
     # a non-JSON syntax: qwen3_coder text without a function block
     qwen = syntax_for(tokenizer, forced="qwen3_coder")
     parser = OutputParser(qwen, TOOLS)
     run(parser, list("Ok.<tool_call>\nnot a call\n</tool_call>"))
-    assert parser.text == "Ok.<tool_call>\nnot a call\n</tool_call>" and parser.tool_calls == ()
+    assert parser.text == "Ok." and parser.tool_calls == () and parser.dropped_calls == 1
     assert parser.finish_reason("stop") == "stop"
 
 
@@ -240,12 +241,13 @@ def test_length_truncated_calls(tokenizer):
     parser = OutputParser(syntax, TOOLS)
     run(parser, [text], "length")
     assert parser.invalid_calls == (0,) and parser.finish_reason("length") == "length"
-    # cut before the name: no call was announced, so the text is content, not lost
+    # cut before the name: no call was announced; dropped, never markup in content
     text = 'Sure.\n<tool_call>\n{"na'
     parser = OutputParser(syntax, TOOLS)
     events = split_everywhere(lambda: OutputParser(syntax, TOOLS), text, "length")
     run(parser, [text], "length")
-    assert parser.text == text and parser.tool_calls == () and parser.finish_reason("length") == "length"
+    assert parser.text == "Sure." and parser.tool_calls == () and parser.finish_reason("length") == "length"
+    assert parser.dropped_calls == 1
     # cut inside the end marker after a complete call: still the call
     text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_'
     parser = OutputParser(syntax, TOOLS)
