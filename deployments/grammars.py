@@ -200,3 +200,15 @@ def special_marker_id(tokenizer: Any, marker: str) -> int | None:
         return None
     token = tokenizer.get_added_vocab().get(marker)
     return int(token) if token is not None else None
+
+
+@lru_cache(maxsize=16)
+def no_call_grammar(start: str, start_token: int | None = None) -> str:
+    """Free text that never contains the call marker: `tool_choice: "none"` with the tools still in
+    the prompt (so an agent's next turn reuses its cached prefix). A special-token marker cannot
+    occur in text at all; a text marker is excluded with llguidance's regex complement (`& ~`)."""
+    if start_token is not None:
+        return LLMatcher.grammar_from_lark("start: TEXT\nTEXT: /(.|\\n)*/")
+    marker = json.dumps(start)[1:-1].replace("/", "\\/")
+    escaped = "".join("\\" + c if c in r".^$*+?()[]{}|\-" else c for c in marker)
+    return LLMatcher.grammar_from_lark(f"start: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/")

@@ -79,6 +79,7 @@ class AppSettings:
     blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
     drain_s: float = 30.0
     responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (deployments/response_store.py)
+    tool_parser: str | None = None  # an mlx_lm.tool_parsers module name; None: the model's own, else the fallback
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "AppSettings":
