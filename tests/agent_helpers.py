@@ -104,3 +104,35 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, **app_args: Any) ->
             yield client
     finally:
         await host.shutdown(0)
+
+
+# A template whose generation prompt opens a think section unless enable_thinking is false (Qwen3's way).
+THINK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def think_model_dir(out: Path) -> Path:
+    """A tiny model with <think>/</think> special tokens (mlx-lm's has_thinking) and THINK_TEMPLATE."""
+    from tiny_model import build_tiny_model
+
+    if not (out / "config.json").exists():
+        build_tiny_model(out, extra_special=("<think>", "</think>"))
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINK_TEMPLATE}))
+    return out
+
+
+def special_tools_model_dir(out: Path) -> Path:
+    """A tiny model whose tool markers are single special tokens (as Qwen's are) and whose template
+    knows tools: the grammar must match the marker as that token."""
+    from tiny_model import build_tiny_model
+
+    if not (out / "config.json").exists():
+        build_tiny_model(out, extra_special=("<tool_call>", "</tool_call>"))
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    return out

@@ -123,12 +123,38 @@ def test_streamed_calls_match_whole_and_arrive_in_pieces(model_dir):
         assert pieces > len(calls), "arguments must stream in pieces, not one blob per call"
 
 
-def test_tool_choice_none_never_calls(model_dir):
+@pytest.fixture(scope="module")
+def special_dir(tmp_path_factory):
+    from agent_helpers import special_tools_model_dir
+
+    return special_tools_model_dir(tmp_path_factory.mktemp("special") / "model")
+
+
+def test_special_token_markers_forced_and_forbidden(special_dir):
+    """Markers that are one special token each: "required" writes them as those tokens, and "none"
+    keeps the model from them even when the logits push hard toward the start marker."""
+    from deployments.engine_host import load_tokenizer
+
+    start = load_tokenizer(str(special_dir)).convert_tokens_to_ids("<tool_call>")
+
     async def body(client):
-        return [await client.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="none",
-                                                     temperature=1.0, seed=s, max_tokens=24) for s in range(4)]
-    for out in run(model_dir, body):
-        assert not out.choices[0].message.tool_calls and out.choices[0].finish_reason in ("stop", "length")
+        forced = [await client.chat.completions.create(
+            model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=s, max_tokens=120) for s in range(4)]
+        pushed = dict(model="tiny", messages=MSG, tools=TOOLS, temperature=1.0, max_tokens=24,
+                      logit_bias={str(start): 100})
+        free = await client.chat.completions.create(**pushed)  # auto: the push makes it call
+        none = [await client.chat.completions.create(tool_choice="none", seed=s, **pushed) for s in range(4)]
+        return forced, free, none
+    forced, free, none = run(special_dir, body)
+    for out in forced:
+        assert out.choices[0].finish_reason == "tool_calls"
+        valid_call(out.choices[0].message.tool_calls[0])
+    assert "tool_call" not in (free.choices[0].message.content or "")
+    for out in none:
+        message = out.choices[0].message
+        assert not message.tool_calls and "tool_call" not in (message.content or "")
+        assert out.choices[0].finish_reason in ("stop", "length")
 
 
 PERSON = {"type": "object", "properties": {
@@ -224,3 +250,45 @@ def test_logit_bias_steers_and_is_checked(tiny_model_dir):
     tokens = [lp.token for lp in out.choices[0].logprobs.content]
     assert len(tokens) == 6 and len(set(tokens)) == 1
     assert err.body["param"] == "logit_bias"
+
+
+@pytest.fixture(scope="module")
+def think_dir(tmp_path_factory):
+    from agent_helpers import think_model_dir
+
+    return think_model_dir(tmp_path_factory.mktemp("think") / "model")
+
+
+def test_reasoning_content_split_inline_and_off_and_schema_after_it(think_dir):
+    from deployments.engine_host import load_tokenizer
+
+    end = load_tokenizer(str(think_dir)).convert_tokens_to_ids("</think>")
+    kw = dict(model="tiny", messages=MSG, temperature=0, max_tokens=16,
+              logit_bias={str(end): 1}, extra_body={"ignore_eos": True})  # the random model closes it soon
+
+    async def body(client):
+        split = await client.chat.completions.create(**kw)
+        stream = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+        inline = await client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True,
+                                                                             "separate_reasoning": False}})
+        off = await client.chat.completions.create(**{**kw, "extra_body": {
+            "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}})
+        fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+        shaped = [await client.chat.completions.create(model="tiny", messages=MSG, temperature=1.0, seed=s,
+                                                       max_tokens=300, response_format=fmt,
+                                                       logit_bias={str(end): 2}) for s in range(3)]
+        return split, stream, inline, off, shaped
+    split, stream, inline, off, shaped = run(think_dir, body)
+    message = split.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and "think>" not in reasoning and not (message.content or "").startswith("</think>")
+    assert split.choices[0].message.content is not None
+    streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream
+                       if c.choices)
+    assert streamed == reasoning
+    assert "</think>" in inline.choices[0].message.content
+    assert not (inline.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert not (off.choices[0].message.model_extra or {}).get("reasoning_content")
+    for out in shaped:  # the schema holds for the answer; the reasoning before it is free
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    assert any(out.choices[0].message.model_extra.get("reasoning_content") for out in shaped)
