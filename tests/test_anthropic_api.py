@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent_helpers import SCHEMAS
 from deployments.anthropic_api import BlockWriter, content_blocks, error_event, stop_reason, tool_use_id, usage_body
@@ -252,3 +253,45 @@ def test_stream_of_nothing_still_has_one_text_block_and_whole_calls_get_their_ar
 def test_error_event_shape():
     name, body = sse_events(error_event(server_error("boom; retry")))[0]
     assert name == "error" and body == {"type": "error", "error": {"type": "api_error", "message": "boom; retry"}}
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=6), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c,
+                                                                                              max_size=3), max_leaves=8)
+KINDS = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document", "server_tool_use"]
+BLOCK = st.fixed_dictionaries({"type": st.sampled_from(KINDS) | JSON}, optional={
+    "text": st.text(max_size=5) | JSON, "id": st.just("toolu_1") | JSON, "name": st.just("get_weather") | JSON,
+    "input": st.just({"city": "x"}) | JSON, "tool_use_id": st.just("toolu_1") | JSON, "is_error": JSON,
+    "content": st.text(max_size=5) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JSON})) | JSON,
+    "thinking": st.text(max_size=5) | JSON, "cache_control": JSON})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | JSON,
+                                 "content": st.text(max_size=5) | st.lists(BLOCK, max_size=3) | JSON})
+TOOL = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "search_docs"]) | JSON},
+                             optional={"input_schema": st.just({"type": "object"}) | JSON, "type": JSON,
+                                       "description": JSON, "strict": JSON})
+FIELDS = st.fixed_dictionaries({}, optional={
+    "model": JSON, "max_tokens": st.integers(-1, 70000) | JSON, "tools": st.lists(TOOL, max_size=2) | JSON,
+    "system": st.lists(BLOCK, max_size=2) | JSON, "thinking": JSON, "output_format": JSON, "stop_sequences": JSON,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["x", "auto", "any", "tool", "none"])},
+                                         optional={"name": JSON, "disable_parallel_tool_use": JSON}) | JSON,
+    "output_config": st.fixed_dictionaries({}, optional={"format": JSON}) | JSON, "temperature": JSON, "top_p": JSON,
+    "top_k": JSON, "seed": JSON, "logit_bias": JSON, "metadata": JSON, "mcp_servers": JSON, "stream": JSON,
+    "cache_control": JSON, "chat_template_kwargs": JSON})
+# Either the messages run wild beside valid fields, or the fields beside valid messages: an early
+# refusal of one must not hide a crash in the other.
+BODY = st.one_of(st.lists(MESSAGE, min_size=1, max_size=4).map(lambda m: {"model": "tiny", "max_tokens": 64,
+                                                                           "messages": m}),
+                 FIELDS.map(lambda f: {"model": "tiny", "max_tokens": 64, "messages": ASK, **f}))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODY, counting=st.booleans())
+def test_no_body_is_anything_but_a_parse_or_a_400(body, counting):
+    try:
+        conv = parse_messages_request(body, LIMITS, 4096, counting)
+    except ApiError as err:
+        assert err.status == 400 and err.message and err.anthropic_body()["error"]["message"] == err.message
+    else:
+        assert conv.messages and conv.model == body["model"] and conv.n == 1

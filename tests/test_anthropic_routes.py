@@ -222,3 +222,22 @@ def test_thinking_blocks_whole_and_streamed_and_passed_back(think_model_dir):
     assert deltas.index("signature_delta") < deltas.index("text_delta")
     assert [b.type for b in off.content] == ["text"]
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens > whole.usage.input_tokens
+
+
+def test_a_stop_sequence_is_reported_whole_and_streamed(tiny_model_dir):
+    greedy = dict(model="tiny", messages=ASK, extra_body={"temperature": 0})
+
+    async def body(client, http):
+        free = await client.messages.create(max_tokens=16, **{**greedy, "extra_body": {"temperature": 0,
+                                                                                        "ignore_eos": True}})
+        text = free.content[0].text
+        stop = text[len(text) // 2:][:3]  # a piece of what the model will say again, greedily
+        whole = await client.messages.create(max_tokens=16, stop_sequences=[stop], **greedy)
+        async with client.messages.stream(max_tokens=16, stop_sequences=[stop], **greedy) as stream:
+            final = await stream.get_final_message()
+        return text, stop, whole, final
+    text, stop, whole, final = run(tiny_model_dir, body)
+    assert stop.strip() and stop in text
+    for out in (whole, final):
+        assert (out.stop_reason, out.stop_sequence) == ("stop_sequence", stop)
+        assert text.startswith(out.content[0].text) and stop not in out.content[0].text
