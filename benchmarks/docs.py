@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,9 +66,28 @@ def write(path: Path, *, results: Mapping[str, Any], bare: Mapping[str, Any], go
     for p in plots:
         shutil.copy2(p, img_dir / p.name)
         images.append(f"![{p.stem}](img/{p.name})")
+    kept = kept_sections(path.read_text()) if path.exists() else ""
     path.write_text(_setup_sections(commands, model_dir)
-                    + _result_sections(results, bare, goals, images, suite, notes))
+                    + _result_sections(results, bare, goals, images, suite, notes) + kept)
     return path
+
+
+# Sections other benchmarks own (benchmarks/agent_session.py): kept when this page is regenerated.
+_SECTION = re.compile(r"<!-- section:(?P<name>[\w-]+) -->\n.*?<!-- /section:(?P=name) -->\n", re.S)
+
+
+def kept_sections(page: str) -> str:
+    """The marked sections of `page`, each with its markers, to carry over into a regenerated page."""
+    return "".join("\n" + m.group(0) for m in _SECTION.finditer(page))
+
+
+def replace_section(path: Path, name: str, body: str) -> None:
+    """Put `body` into `path` as the marked section `name`, replacing an earlier one (else appended)."""
+    block = f"<!-- section:{name} -->\n{body.rstrip()}\n<!-- /section:{name} -->\n"
+    page = path.read_text() if path.exists() else ""
+    old = [m for m in _SECTION.finditer(page) if m.group("name") == name]
+    page = page[:old[0].start()] + block + page[old[0].end():] if old else page.rstrip("\n") + "\n\n" + block
+    path.write_text(page)
 
 
 def _kv(d: Mapping[str, str]) -> str:
