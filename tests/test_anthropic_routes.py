@@ -17,6 +17,8 @@ from deployments.engine_host import EngineHost, load_tokenizer
 from deployments.http_app import OpenAIServer
 from deployments.settings import AppSettings
 from e2e_helpers import tiny_args
+from engine.loop import AsyncEngine
+from engine_helpers import FaultyModel, tiny_loader
 from test_anthropic_api import ASK, SEARCH_TOOL, WEATHER_TOOL, sse_events
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -45,10 +47,12 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def served(model_dir, **app_args):
-    """The real app on a real engine in this process; an httpx client whose transport is the app."""
+async def served(model_dir, wrap=None, **app_args):
+    """The real app on a real engine in this process; an httpx client whose transport is the app.
+    `wrap` wraps the loaded model (tests/engine_helpers.FaultyModel injects faults)."""
     settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
-    replica = Replica(EngineHost(settings.engine))
+    factory = None if wrap is None else (lambda config: AsyncEngine(config, loader=tiny_loader(model_dir, wrap)))
+    replica = Replica(EngineHost(settings.engine, engine_factory=factory))
     await replica.start()
     server = OpenAIServer(settings, replica, lambda: load_tokenizer(str(model_dir)), api_keys=settings.api_keys)
     try:
@@ -62,10 +66,10 @@ async def served(model_dir, **app_args):
         await replica.shutdown(0)
 
 
-def run(model_dir, body, key="x", **app_args):
+def run(model_dir, body, key="x", wrap=None, **app_args):
     """Run `body(client, http)` against a fresh in-process app, with the official SDK."""
     async def main():
-        async with served(model_dir, **app_args) as http:
+        async with served(model_dir, wrap, **app_args) as http:
             client = anthropic.AsyncAnthropic(base_url="http://pomona.test", api_key=key,
                                               http_client=http, max_retries=0)
             return await body(client, http)
@@ -241,3 +245,33 @@ def test_a_stop_sequence_is_reported_whole_and_streamed(tiny_model_dir):
     for out in (whole, final):
         assert (out.stop_reason, out.stop_sequence) == ("stop_sequence", stop)
         assert text.startswith(out.content[0].text) and stop not in out.content[0].text
+
+
+def test_a_failure_after_the_first_token_is_an_error_event(tiny_model_dir):
+    holder = {}
+
+    def wrap(model):
+        holder["model"] = FaultyModel(model)
+        return holder["model"]
+
+    async def body(client, http):
+        holder["model"].fail_after = 10  # the prompt and a few tokens go through, then a step fails
+        raw = await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 50, "messages": ASK, "stream": True,
+                                                    "ignore_eos": True})
+        holder["model"].fail_after = 10
+        with pytest.raises(anthropic.APIStatusError) as err:
+            async with client.messages.stream(model="tiny", max_tokens=50, messages=ASK,
+                                              extra_body={"ignore_eos": True}) as stream:
+                async for _ in stream:
+                    pass
+        after = await client.messages.create(model="tiny", max_tokens=3, messages=ASK, extra_body={"ignore_eos": True})
+        return raw, err.value, after
+    raw, err, after = run(tiny_model_dir, body, wrap=wrap)
+    events = sse_events(raw.text)
+    names = [n for n, _ in events]
+    assert raw.status_code == 200 and names[:2] == ["message_start", "ping"] and "content_block_delta" in names
+    assert names[-1] == "error" and "message_stop" not in names
+    error = events[-1][1]["error"]
+    assert error["type"] == "api_error" and "retry" in error["message"]
+    assert err.body["error"]["type"] == "api_error"
+    assert after.usage.output_tokens == 3  # the server goes on serving
