@@ -55,6 +55,15 @@ def answer_message(c: Completion) -> Message:
     return Message("assistant", c.text, calls, reasoning=c.reasoning or None)
 
 
+def _own_names(err: ApiError) -> ApiError:
+    """The pipeline names chat's fields in its errors (the prompt is "messages"); say "input" and
+    "max_output_tokens", this API's names for them."""
+    if err.param != "messages":
+        return err
+    message = err.message.replace("lower max_tokens", "lower max_output_tokens")
+    return ApiError(err.status, message, err.type, "input", err.code, err.headers)
+
+
 class Responses:
     """The dialect for one request (it holds the predecessor's conversation and the parse result)."""
 
@@ -71,7 +80,7 @@ class Responses:
         return self.parsed.conversation
 
     def error(self, err: ApiError) -> Response:
-        return error_response(err)
+        return error_response(_own_names(err))
 
     def _object(self, ctx: Context, **kw: Any) -> dict[str, Any]:
         assert self.parsed is not None

@@ -66,10 +66,11 @@ def status_of(c: Completion) -> str:
 
 
 def output_items(c: Completion) -> list[dict[str, Any]]:
-    """A whole answer's items: reasoning, then the message (unless the answer is only calls), then calls."""
+    """A whole answer's items: reasoning, the message (unless the answer is only calls, or was cut
+    off while reasoning), then calls."""
     item_status = status_of(c)
     items = [reasoning_item(c.reasoning, item_status)] if c.reasoning else []
-    if c.text or not c.tool_calls:
+    if c.text or not (c.tool_calls or c.reasoning):
         items.append(message_item(c.text, item_status))
     items += [call_item(call.id, call.name, call.arguments, "completed") for call in c.tool_calls]
     return items

@@ -394,9 +394,63 @@ def test_route_refusals_and_store_false(tiny_model_dir, tmp_path):
         with pytest.raises(openai.NotFoundError) as unstored:
             await client.responses.create(model="tiny", input="x", previous_response_id=kept.id)
         junk = await http.post("/v1/responses", content=b"{not json")
-        return unknown.value, bad.value, builtin.value, kept, unstored.value, junk
-    unknown, bad, builtin, kept, unstored, junk = run_app(tiny_model_dir, tmp_path, body)
+        with pytest.raises(openai.BadRequestError) as long:
+            await client.responses.create(model="tiny", input="Paris is the capital of France. " * 20)
+        return unknown.value, bad.value, builtin.value, kept, unstored.value, junk, long.value
+    unknown, bad, builtin, kept, unstored, junk, long = run_app(tiny_model_dir, tmp_path, body,
+                                                                limits={"max_prompt_tokens": 64})
+    assert long.body["param"] == "input" and long.body["code"] == "context_length_exceeded"
     assert unknown.body["param"] == "previous_response_id" and unknown.body["code"] == "previous_response_not_found"
     assert bad.body["param"] == "input[0].role" and builtin.body["param"] == "tools[0]"
     assert kept.store is False and unstored.body["code"] == "previous_response_not_found"
     assert junk.status_code == 400 and junk.json()["error"]["type"] == "invalid_request_error"
+
+
+THINK_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def think_model_dir(tmp_path_factory):
+    """A tiny model with <think> / </think> tokens whose template opens a think section unless
+    enable_thinking is false."""
+    from tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("think"), extra_special=("<think>", "</think>"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINK_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_route_reasoning_items_and_events(think_model_dir, tmp_path):
+    vocab = json.loads((think_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    # the random model ends its reasoning sometimes, and never opens a second think section (the whole
+    # object holds one reasoning item before the message; a stream keeps the generation's order)
+    close = {"logit_bias": {str(vocab["</think>"]): 3, str(vocab["<think>"]): -100}}
+
+    async def body(client, http):
+        wholes = [await client.responses.create(model="tiny", input="Hi", max_output_tokens=32, temperature=1.0,
+                                                extra_body={"seed": seed, **close}) for seed in range(6)]
+        both = next(i for i, r in enumerate(wholes) if [o.type for o in r.output] == ["reasoning", "message"])
+        events = [e async for e in await client.responses.create(
+            model="tiny", input="Hi", max_output_tokens=32, temperature=1.0, stream=True,
+            extra_body={"seed": both, **close})]
+        off = await client.responses.create(model="tiny", input="Hi", max_output_tokens=8, temperature=1.0,
+                                            reasoning={"effort": "none"},
+                                            extra_body={"logit_bias": {str(vocab["<think>"]): -100}})
+        return wholes, both, events, off
+    wholes, both, events, off = run_app(think_model_dir, tmp_path, body)
+    for r in wholes:  # a reasoning item (never empty) comes first; a message follows unless cut off while reasoning
+        assert [o.type for o in r.output] in (["reasoning", "message"], ["reasoning"], ["message"])
+        assert r.output[0].type == "message" or r.output[0].content[0].text
+    whole = wholes[both]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == whole.output[0].content[0].text and "<think>" not in reasoning
+    assert events[-1].response.output_text == whole.output_text
+    assert [o.type for o in off.output] == ["message"]  # effort "none": the template opened no think section
+    assert off.usage.input_tokens < whole.usage.input_tokens
