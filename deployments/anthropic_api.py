@@ -190,7 +190,9 @@ class AnthropicMessages:
             yield error_event(server_error("The server failed while streaming; retry the request."))
             raise
         done = run.completion
-        assert done is not None
+        if done is None:  # Run raises when the engine stream ends early; this is a guard, not a path
+            yield error_event(server_error("The model server ended the stream early; retry the request."))
+            return
         yield (writer.finish()
                + event("message_delta", {"delta": {"stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence},
                                          "usage": usage_body(done.usage)})
