@@ -12,7 +12,7 @@ import httpx2
 import jsonschema
 import pytest
 
-from agent_helpers import SCHEMAS
+from agent_helpers import SCHEMAS, THINK_TEMPLATE, AsyncReplica
 from deployments.engine_host import EngineHost, load_tokenizer
 from deployments.http_app import OpenAIServer
 from deployments.settings import AppSettings
@@ -24,37 +24,16 @@ from test_anthropic_api import ASK, SEARCH_TOOL, WEATHER_TOOL, sse_events
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-class Replica:
-    """The engine host as the ingress reaches it (Ray's handle makes every call awaitable)."""
-
-    def __init__(self, host) -> None:
-        self.host = host
-
-    def stream(self, prompt_tokens, params, request_id):
-        return self.host.stream(prompt_tokens, params, request_id)
-
-    async def info(self):
-        return self.host.info()
-
-    async def stats(self):
-        return self.host.stats()
-
-    async def start(self):
-        await self.host.start()
-
-    async def shutdown(self, drain_s):
-        await self.host.shutdown(drain_s)
-
-
 @contextlib.asynccontextmanager
 async def served(model_dir, wrap=None, **app_args):
-    """The real app on a real engine in this process; an httpx client whose transport is the app.
-    `wrap` wraps the loaded model (tests/engine_helpers.FaultyModel injects faults)."""
+    """agent_helpers.in_process with httpx2 (the anthropic SDK's), and `wrap` around the loaded
+    model (tests/engine_helpers.FaultyModel injects faults)."""
     settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
     factory = None if wrap is None else (lambda config: AsyncEngine(config, loader=tiny_loader(model_dir, wrap)))
-    replica = Replica(EngineHost(settings.engine, engine_factory=factory))
-    await replica.start()
-    server = OpenAIServer(settings, replica, lambda: load_tokenizer(str(model_dir)), api_keys=settings.api_keys)
+    host = EngineHost(settings.engine, engine_factory=factory)
+    await host.start()
+    server = OpenAIServer(settings, AsyncReplica(host), lambda: load_tokenizer(str(model_dir)),
+                          api_keys=settings.api_keys)
     try:
         await server.refresh()
         assert server.ready is not None, "the in-process engine did not become ready"
@@ -63,7 +42,7 @@ async def served(model_dir, wrap=None, **app_args):
         async with httpx2.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
             yield client
     finally:
-        await replica.shutdown(0)
+        await host.shutdown(0)
 
 
 def run(model_dir, body, key="x", wrap=None, **app_args):
@@ -182,14 +161,6 @@ def test_output_config_schema_holds_and_max_tokens_is_capped_by_the_room_left(ti
         jsonschema.validate(json.loads(out.content[0].text), PERSON)
     assert 150 < count.input_tokens < 320
     assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 320 - count.input_tokens
-
-
-THINK_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
