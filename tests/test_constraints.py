@@ -65,8 +65,9 @@ def run_all(engine, requests):
 
 
 def test_schema_outputs_validate_at_temperature_one(engine):
-    requests = [request(engine, "Hello world", temperature=1.0, seed=s, max_tokens=200, grammar=GRAMMAR)
-                for s in SEEDS]
+    # ignore_eos on some: a finished grammar still ends the request at EOS
+    requests = [request(engine, "Hello world", temperature=1.0, seed=s, max_tokens=200, grammar=GRAMMAR,
+                        ignore_eos=s % 2 == 1) for s in SEEDS]
     for text, events in run_all(engine, requests):
         assert events[-1].finish_reason is FinishReason.STOP, text  # the grammar ended it at EOS
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -92,6 +93,20 @@ def test_free_requests_unchanged_beside_constrained_ones(engine):
     assert [t for t, _ in results[4:]] == alone
     for text, _ in results[:4]:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_mask_covers_a_padded_model_vocabulary(engine):
+    """A model's vocabulary may be larger than its tokenizer's: the ids past the tokenizer stay forbidden."""
+    import mlx.core as mx
+
+    tok = engine.tokenizer
+    vocab = len(tok.get_vocab())
+    prompt = tuple(tok.encode("Hello"))
+    logits = mx.zeros((1, vocab + 40))
+    out = build_constraint(tok, GRAMMAR, prompt)(mx.array(prompt), logits)[0].tolist()
+    allowed = [i for i, v in enumerate(out) if v == 0.0]
+    assert allowed and all(tok.decode([i]).startswith("{") for i in allowed)  # a JSON object starts
+    assert all(v == float("-inf") for v in out[vocab:])
 
 
 def test_logit_bias(engine):
