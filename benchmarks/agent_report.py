@@ -158,5 +158,6 @@ Servers started (one at a time, each fresh):
 def write_docs(path: Path, data: Mapping[str, Any], notes: Sequence[str] = ()) -> Path:
     from benchmarks.docs import replace_section, versions
 
-    replace_section(path, SECTION, section_text(data, versions()["pomona commit"], list(notes)))
+    commit = data.get("commit") or versions()["pomona commit"]  # the commit measured, recorded at the start
+    replace_section(path, SECTION, section_text(data, commit, list(notes)))
     return path

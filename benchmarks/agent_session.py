@@ -3,6 +3,7 @@
 
     python -m benchmarks.agent_session            # 10 turns on each server, docs/benchmarks.md section
     python -m benchmarks.agent_session --quick    # 3 turns, no docs (a smoke run)
+    python -m benchmarks.agent_session --from-results benchmarks/results/agent-.../results.json  # re-render
 
 The trace (benchmarks/agent_trace.py) is fixed: a ~3.8k-token system prompt with 16 tools, then turns
 of (the assistant's tool call from the trace, a 200-800-token tool result), each asking for a short
@@ -34,6 +35,7 @@ import httpx
 from benchmarks.agent_report import print_report, write_docs
 from benchmarks.agent_trace import AgentTrace, anthropic_body, build_trace, chat_messages
 from benchmarks.client import EndpointConfig, stream_chat, wait_serving
+from benchmarks.docs import versions
 from benchmarks.serve_bench import write_json
 from benchmarks.servers import available, launched
 from benchmarks.side_by_side import make_spec, served_model_name
@@ -204,6 +206,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base-port", type=int, default=18140)
     p.add_argument("--out", default=f"benchmarks/results/agent-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--note", action="append", default=[], help="a line for the docs section's notes (repeatable)")
+    p.add_argument("--from-results", default=None, metavar="JSON",
+                   help="print and write the docs section from this results.json instead of measuring")
     p.add_argument("--docs", default="docs/benchmarks.md", help="page whose agent-session section is replaced "
                    "('' to skip; --quick skips it)")
     return p.parse_args(argv)
@@ -213,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.models import benchmark_model_dir
 
     args = _parse(argv)
+    if args.from_results:
+        data = json.loads(Path(args.from_results).read_text())
+        print_report(data)
+        if args.docs:
+            print(f"docs: {write_docs(Path(args.docs), data, args.note)}")
+        return 0
     command = "python -m benchmarks.agent_session " + " ".join(argv if argv is not None else sys.argv[1:])
     model_dir = benchmark_model_dir(args.model)
     out = Path(args.out).resolve()
@@ -221,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     expected = expected_prompt_tokens(tok, trace)
     print(f"trace: system {tok_count(chat_messages(trace, 1)[0]['content'])} tokens, tool results "
           f"{[tok_count(s.result) for s in trace.steps]}, prompts {expected}", flush=True)
-    data: dict[str, Any] = {"command": command.strip(), "model_dir": str(model_dir), "max_tokens": args.max_tokens,
+    data: dict[str, Any] = {"command": command.strip(), "commit": versions()["pomona commit"],
+                            "model_dir": str(model_dir), "max_tokens": args.max_tokens,
                             "expected_prompt_tokens": expected, "servers": {}}
     for i, name in enumerate(args.servers.split(",")):
         api = args.pomona_api if name == "pomona" else "chat"
@@ -229,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(out / "results.json", data)  # after each server, so a crash keeps the other
     print_report(data)
     if args.docs and not args.quick:
-        print(f"docs: {write_docs(Path(args.docs), data)}")
+        print(f"docs: {write_docs(Path(args.docs), data, args.note)}")
     print(f"results: {out / 'results.json'}")
     return 0
 
