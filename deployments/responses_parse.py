@@ -34,6 +34,8 @@ ACCEPTED = frozenset({  # OpenAI's fields that change nothing Pomona sends back,
     "prompt_cache_options", "service_tier", "truncation", "stream_options", "max_tool_calls", "access_programs",
     "background_options", "context_management", "image", "moderation", "store", "previous_response_id",
 })
+ACCEPTED_TYPES = {"metadata": dict, "user": str, "safety_identifier": str, "prompt_cache_key": str,
+                  "prompt_cache_retention": str, "service_tier": str, "stream_options": dict, "max_tool_calls": int}
 FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "text", "stream", "reasoning", "top_logprobs"})
 EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
@@ -89,12 +91,12 @@ def parse_responses(body: Mapping[str, Any], limits: oa.Limits, engine_max_token
         tool_choice=choice, parallel_tool_calls=oa.read_field(body, "parallel_tool_calls", bool, True),
         output_format=fmt, chat_template_kwargs=tuple(sorted(kwargs.items())),
         stream=oa.read_field(body, "stream", bool, False), format_param="text.format", tools_param="tools")
-    metadata = oa.read_field(body, "metadata", dict, {})
+    metadata = body.get("metadata") or {}
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "parallel_tool_calls": conv.parallel_tool_calls, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "tools": [tool_echo(t) for t in tools], "tool_choice": choice_echo(choice),
             "text": text_echo, "reasoning": reasoning, "metadata": metadata,
-            "user": oa.read_field(body, "user", str), "truncation": oa.read_field(body, "truncation", str, "disabled")}
+            "user": body.get("user"), "truncation": body.get("truncation") or "disabled"}
     return ParsedResponse(conv, echo, turn, history, store, previous)
 
 
@@ -105,6 +107,16 @@ def _check_fields(body: Mapping[str, Any]) -> None:
     for name in body:
         if name not in FIELDS and name not in ACCEPTED and name not in EXTENSIONS and name not in REFUSED:
             raise invalid(f"'{name}' is not a field of /v1/responses; remove it.", param=name)
+    for name, kind in ACCEPTED_TYPES.items():  # accepted, not used: still the type OpenAI documents
+        oa.read_field(body, name, kind)
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise invalid("'include' must be an array of strings.", param="include")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise invalid("'truncation' must be \"auto\" or \"disabled\".", param="truncation")
+    metadata = body.get("metadata") or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise invalid("'metadata' values must be strings.", param="metadata")
 
 
 def _max_output_tokens(body: Mapping[str, Any], limit: int) -> int | None:
@@ -229,7 +241,7 @@ def parse_tools(value: Any) -> tuple[Tool, ...]:
     for i, item in enumerate(value):
         where = f"tools[{i}]"
         kind = item.get("type") if isinstance(item, dict) else None
-        if kind in BUILT_IN_TOOLS:
+        if isinstance(kind, str) and kind in BUILT_IN_TOOLS:
             raise invalid(f"'{where}': the built-in tool {kind!r} is not available on this server; only function "
                           "tools ({\"type\": \"function\", \"name\", \"parameters\"}) are.", param=where)
         if kind != "function":
@@ -291,7 +303,7 @@ def parse_reasoning(value: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any] 
     if not isinstance(value, dict):
         raise invalid("'reasoning' must be an object, e.g. {\"effort\": \"low\"}.", param="reasoning")
     effort = value.get("effort")
-    if effort is not None and effort not in EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
         raise invalid(f"'reasoning.effort' must be one of {sorted(EFFORTS)}.", param="reasoning.effort")
     if effort is not None:
         kwargs = {"enable_thinking": EFFORTS[effort], **kwargs}  # the client's own kwargs win

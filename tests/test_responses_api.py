@@ -1,15 +1,12 @@
-"""/v1/responses: request parsing, the response object and its events (checked against the official
-`openai` SDK's own models), the diskcache store, and the route in process (real app, real engine,
-tiny model, the SDK's `client.responses`)."""
+"""/v1/responses: the response object and its events (checked against the official `openai` SDK's own
+models), and the route in process (real app, real engine, tiny model, the SDK's `client.responses`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import time
 
-import diskcache
 import jsonschema
 import openai
 import pytest
@@ -17,128 +14,16 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from agent_helpers import SCHEMAS
-from deployments.conversation import (Completion, Message, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
+from deployments.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
                                       ToolCallEnd, ToolCallStart, Usage)
 from deployments.errors import ApiError
 from deployments.openai_types import Limits
-from deployments.response_store import ResponseStore, ResponseStoreSettings, StoredResponse
 from deployments.responses_parse import parse_responses
 from deployments.responses_render import EventWriter, output_items, response_object, status_of
+from test_responses_parse import FULL, WEATHER_TOOL, WRONG, parse, paths, replaced
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 EVENTS = TypeAdapter(ResponseStreamEvent)
-WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
-                "parameters": SCHEMAS["get_weather"]}
-
-
-def parse(body, history=()):
-    return parse_responses({"model": "tiny", **body}, Limits(), 1024, tuple(history))
-
-
-def refused(body) -> ApiError:
-    with pytest.raises(ApiError) as info:
-        parse(body)
-    assert info.value.status == 400
-    return info.value
-
-
-# ---------------------------------------------------------------------------------------------- parsing
-
-
-def test_string_input_instructions_and_defaults():
-    p = parse({"input": "Hello", "instructions": "Be brief."})
-    assert p.conversation.messages == (Message("system", "Be brief."), Message("user", "Hello"))
-    assert p.turn == (Message("user", "Hello"),) and p.store is True and p.previous_response_id is None
-    assert p.conversation.format_param == "text.format" and p.conversation.max_tokens is None
-    assert p.echo["instructions"] == "Be brief." and p.echo["tool_choice"] == "auto"
-
-
-def test_items_calls_outputs_and_reasoning():
-    p = parse({"input": [
-        {"role": "developer", "content": "Use tools."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
-                                                        {"type": "input_text", "text": "in Paris?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-        {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city":"Paris"}'},
-        {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": {"city": "Lyon"}},
-        {"type": "function_call_output", "call_id": "call_a", "output": "18C"},
-        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "20C"}]},
-    ]})
-    system, user, assistant, out_a, out_b = p.conversation.messages
-    assert system == Message("system", "Use tools.") and user.content == "Weather in Paris?"
-    assert assistant.content == "Checking." and assistant.reasoning == "hm"
-    assert [(c.id, c.name, json.loads(c.arguments)) for c in assistant.tool_calls] == [
-        ("call_a", "get_weather", {"city": "Paris"}), ("call_b", "get_weather", {"city": "Lyon"})]
-    assert out_a == Message("tool", "18C", tool_call_id="call_a", name="get_weather")
-    assert out_b.content == "20C" and out_b.tool_call_id == "call_b"
-
-
-def test_history_goes_between_instructions_and_input():
-    history = (Message("user", "Hi"), Message("assistant", "Hello!"))
-    p = parse({"input": "Again", "instructions": "New rules.", "previous_response_id": "resp_x"}, history)
-    assert p.conversation.messages == (Message("system", "New rules."),) + history + (Message("user", "Again"),)
-    assert p.turn == (Message("user", "Again"),) and p.history == history and p.previous_response_id == "resp_x"
-
-
-def test_flat_function_tools_strict_by_default_and_tool_choice():
-    p = parse({"input": "x", "tools": [WEATHER_TOOL, {**WEATHER_TOOL, "name": "other", "strict": False}],
-               "tool_choice": {"type": "function", "name": "other"}})
-    first, second = p.conversation.tools
-    assert first.name == "get_weather" and first.parameters == SCHEMAS["get_weather"] and first.strict
-    assert not second.strict
-    assert p.conversation.tool_choice.mode == "named" and p.conversation.tool_choice.name == "other"
-    assert p.echo["tools"][0] == {**WEATHER_TOOL, "strict": True}
-    assert p.echo["tool_choice"] == {"type": "function", "name": "other"}
-    assert parse({"input": "x", "tools": [WEATHER_TOOL], "tool_choice": "required"}).conversation.tool_choice.mode \
-        == "required"
-
-
-@pytest.mark.parametrize("body,param,words", [
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "built-in tool 'web_search'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name", "letters"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
-    ({"tool_choice": "required"}, "tool_choice", "no tools"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "JSON schema"),
-    ({"text": {"format": {"type": "xml"}}}, "text.format", "json_schema"),
-    ({"frobnicate": 1}, "frobnicate", "not a field"),
-    ({"background": True}, "background", "background"),
-    ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
-    ({"max_output_tokens": 0}, "max_output_tokens", "between 1 and 1024"),
-    ({"temperature": "hot"}, "temperature", "a number"),
-    ({"store": "yes"}, "store", "a boolean"),
-    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "one of"),
-])
-def test_bad_fields_name_the_field(body, param, words):
-    err = refused({"input": "x", **body})
-    assert err.param == param and words in err.message, err.message
-
-
-@pytest.mark.parametrize("value,param", [
-    (None, "input"), ("", "input"), ([], "input"), ([3], "input[0]"),
-    ([{"role": "robot", "content": "x"}], "input[0].role"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
-    ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
-    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}], "input[0].arguments"),
-    ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
-    ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
-])
-def test_bad_input_names_the_item(value, param):
-    assert refused({"input": value}).param == param
-
-
-def test_text_format_and_reasoning_effort():
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    p = parse({"input": "x", "text": {"format": {"type": "json_schema", "name": "thing", "schema": schema,
-                                                 "strict": True}},
-               "reasoning": {"effort": "none"}})
-    fmt = p.conversation.output_format
-    assert (fmt.kind, fmt.schema, fmt.name) == ("json_schema", schema, "thing")
-    assert dict(p.conversation.chat_template_kwargs) == {"enable_thinking": False}
-    assert parse({"input": "x", "text": {"format": {"type": "json_object"}}}).conversation.output_format.kind \
-        == "json_object"
-    assert dict(parse({"input": "x", "reasoning": {"effort": "high"}}).conversation.chat_template_kwargs) \
-        == {"enable_thinking": True}
 
 
 # ---------------------------------------------------------------------------------------------- rendering
@@ -223,63 +108,6 @@ def test_stream_cut_by_length_and_failure():
     tail = sse_events(w.failed(ApiError(500, "engine died", "server_error"), base))
     assert [e["type"] for e in tail] == ["error", "response.failed"]
     assert tail[1]["response"]["status"] == "failed" and tail[1]["response"]["error"]["message"] == "engine died"
-
-
-# ---------------------------------------------------------------------------------------------- store
-
-
-def rid(i: int) -> str:
-    return f"resp_{i:032x}"
-
-
-def stored(text: str = "hi") -> StoredResponse:
-    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
-    return StoredResponse({"id": "x", "output": [{"type": "message"}]},
-                          (Message("user", text), Message("assistant", "", (call,), reasoning="r"),
-                           Message("tool", "18C", tool_call_id="call_1", name="get_weather")))
-
-
-def test_store_round_trip_unknown_and_delete(tmp_path):
-    store = ResponseStore(ResponseStoreSettings(), str(tmp_path / "r"))
-    store.put(rid(1), stored())
-    assert store.get(rid(1)) == stored()
-    assert store.get(rid(2)) is None and store.get("../etc") is None
-    assert store.delete(rid(1)) and store.get(rid(1)) is None and not store.delete(rid(1))
-    store.close()
-
-
-def test_store_expires_entries(tmp_path):
-    store = ResponseStore(ResponseStoreSettings(max_age_s=0.5), str(tmp_path / "r"))
-    store.put(rid(1), stored())
-    assert store.get(rid(1)) is not None
-    time.sleep(0.8)
-    assert store.get(rid(1)) is None
-
-
-def test_store_is_bounded_in_bytes(tmp_path):
-    limit = 2**20
-    store = ResponseStore(ResponseStoreSettings(size_bytes=limit), str(tmp_path / "r"))
-    for i in range(80):  # 80 x ~40 KB = ~3 MB into a 1 MiB store
-        store.put(rid(i), stored("x" * 40_000))
-    assert store.volume() <= limit + 100_000
-    assert store.get(rid(0)) is None and store.get(rid(79)) is not None
-
-
-def test_store_never_unpickles(tmp_path):
-    directory = str(tmp_path / "r")
-    with diskcache.Cache(directory) as plain:
-        plain.set(rid(1), {"pickled": True})  # a pickled row, as a plain diskcache writes
-    store = ResponseStore(ResponseStoreSettings(), directory)
-    assert store.get(rid(1)) is None
-
-
-def test_default_directory_is_beside_the_ssd_tier():
-    s = ResponseStoreSettings()
-    assert s.resolved_directory("/data/pomona/kv") == "/data/pomona/kv-responses"
-    assert s.resolved_directory(None).endswith("/.cache/pomona/responses")
-    assert ResponseStoreSettings(directory="/x").resolved_directory("/data/kv") == "/x"
-    with pytest.raises(ValueError):
-        ResponseStoreSettings.from_dict({"size": 1})
 
 
 # ---------------------------------------------------------------------------------------------- routes
@@ -454,3 +282,24 @@ def test_route_reasoning_items_and_events(think_model_dir, tmp_path):
     assert events[-1].response.output_text == whole.output_text
     assert [o.type for o in off.output] == ["message"]  # effort "none": the template opened no think section
     assert off.usage.input_tokens < whole.usage.input_tokens
+
+
+def test_route_never_answers_5xx_to_accepted_odd_bodies(tiny_model_dir, tmp_path):
+    """Bodies the parser accepts with an odd value somewhere (a schema of any shape, text where a part
+    was, ...) go through the pipeline: each is answered or refused, never a 5xx."""
+    base = {k: v for k, v in FULL.items() if k != "previous_response_id"}
+    accepted = []
+    for path in list(paths(base))[1:]:
+        for new in WRONG:
+            body = replaced(base, path, new)
+            try:
+                parse_responses(body, Limits(), 1024)
+            except ApiError:
+                continue
+            accepted.append(body)
+    sample = accepted[::max(1, len(accepted) // 60)]
+
+    async def run(client, http):
+        return [await http.post("/v1/responses", json={**body, "max_output_tokens": 8}) for body in sample]
+    for body, r in zip(sample, run_app(tiny_model_dir, tmp_path, run)):
+        assert r.status_code < 500, (body, r.text[:300])
