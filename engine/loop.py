@@ -302,10 +302,16 @@ class AsyncEngine:
             self._deliver(engine.abort_request(arg))
         elif kind == "call":
             fn, future = arg
+            # A caller that timed out (the health probe, 20 s, behind a long step) has cancelled its
+            # future: setting a result then raises InvalidStateError, which killed the MLX thread.
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                future.set_result(fn(engine))
+                result = fn(engine)
             except Exception as exc:
                 future.set_exception(exc)
+            else:
+                future.set_result(result)
 
     def _post(self, request_id: str, item: Any) -> None:
         with self._lock:

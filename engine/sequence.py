@@ -69,6 +69,7 @@ class Sequence:
             "ttft_s": ttft,
             "tokens_per_s": None if decoding_s is None else self.output_tokens / decoding_s,
             "cached_tokens": self.cached_tokens,
+            "constrained": self.request.params.grammar is not None,  # a grammar (schema, forced tool call)
             "cache_tier": self.cache_tier,
             "age_s": now - self.request.arrival_time,
         }
