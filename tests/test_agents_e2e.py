@@ -103,3 +103,17 @@ def test_default_model_json_schema_and_bad_schema(base):
         "model": "smol", "messages": ASK, "response_format": {"type": "json_schema",
                                                               "json_schema": {"name": "x", "schema": {"type": 5}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.real_model
+def test_readme_tool_loop_runs_as_written(base, capsys):
+    """The README's openai-SDK tool loop, run against the default model (only its URL changed)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = readme.split("```python\n")[1:]
+    [code] = [b.split("```")[0] for b in blocks if 'tool_choice="required"' in b]
+    exec(compile(code.replace("http://127.0.0.1:8000/v1", f"{base}/smol/v1"), "README.md", "exec"), {})
+    first, second = capsys.readouterr().out.strip().splitlines()[:2]
+    assert first.startswith("get_weather {") and "city" in first
+    assert second.strip()
