@@ -81,10 +81,14 @@ class AsyncReplica:
 
 
 @contextlib.asynccontextmanager
-async def in_process(model_dir: Path, http_lib: Any = httpx, **app_args: Any) -> AsyncIterator[Any]:
+async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None,
+                     **app_args: Any) -> AsyncIterator[Any]:
     """The real app on a real engine in this process; an async client whose transport is the app.
 
-    `http_lib` is httpx, or httpx2 for the anthropic SDK (which refuses httpx objects)."""
+    `http_lib` is httpx, or httpx2 for the anthropic SDK (which refuses httpx objects); `wrap` goes
+    around the loaded model (tests/engine_helpers.FaultyModel injects faults)."""
+    from engine.loop import AsyncEngine
+    from engine_helpers import tiny_loader
     from deployments.engine_host import EngineHost, load_tokenizer
     from deployments.http_app import OpenAIServer
     from deployments.settings import AppSettings
@@ -92,7 +96,8 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, **app_args: Any) ->
     from e2e_helpers import tiny_args
 
     settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
-    host = EngineHost(settings.engine)
+    factory = None if wrap is None else (lambda config: AsyncEngine(config, loader=tiny_loader(model_dir, wrap)))
+    host = EngineHost(settings.engine, engine_factory=factory)
     await host.start()
     server = OpenAIServer(settings, AsyncReplica(host), lambda: load_tokenizer(str(model_dir)),
                           api_keys=settings.api_keys)

@@ -4,7 +4,6 @@ official `anthropic` SDK: messages, streams, tools, thinking, output_config, cou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import anthropic
@@ -12,37 +11,17 @@ import httpx2
 import jsonschema
 import pytest
 
-from agent_helpers import SCHEMAS, THINK_TEMPLATE, AsyncReplica
-from deployments.engine_host import EngineHost, load_tokenizer
-from deployments.http_app import OpenAIServer
-from deployments.settings import AppSettings
-from e2e_helpers import tiny_args
-from engine.loop import AsyncEngine
-from engine_helpers import FaultyModel, tiny_loader
+from agent_helpers import SCHEMAS, THINK_TEMPLATE, in_process
+from deployments.engine_host import load_tokenizer
+from engine_helpers import FaultyModel
 from test_anthropic_api import ASK, SEARCH_TOOL, WEATHER_TOOL, sse_events
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@contextlib.asynccontextmanager
-async def served(model_dir, wrap=None, **app_args):
-    """agent_helpers.in_process with httpx2 (the anthropic SDK's), and `wrap` around the loaded
-    model (tests/engine_helpers.FaultyModel injects faults)."""
-    settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
-    factory = None if wrap is None else (lambda config: AsyncEngine(config, loader=tiny_loader(model_dir, wrap)))
-    host = EngineHost(settings.engine, engine_factory=factory)
-    await host.start()
-    server = OpenAIServer(settings, AsyncReplica(host), lambda: load_tokenizer(str(model_dir)),
-                          api_keys=settings.api_keys)
-    try:
-        await server.refresh()
-        assert server.ready is not None, "the in-process engine did not become ready"
-        # The anthropic SDK speaks httpx2 (it refuses httpx objects): the same API, another package.
-        transport = httpx2.ASGITransport(app=server.app())
-        async with httpx2.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
-            yield client
-    finally:
-        await host.shutdown(0)
+def served(model_dir, wrap=None, **app_args):
+    """agent_helpers.in_process with httpx2, the anthropic SDK's HTTP package."""
+    return in_process(model_dir, httpx2, wrap, **app_args)
 
 
 def run(model_dir, body, key="x", wrap=None, **app_args):
