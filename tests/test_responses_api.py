@@ -4,7 +4,6 @@ models), and the route in process (real app, real engine, tiny model, the SDK's 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import jsonschema
@@ -13,7 +12,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agent_helpers import SCHEMAS
+from agent_helpers import SCHEMAS, in_process
 from deployments.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
                                       ToolCallEnd, ToolCallStart, Usage)
 from deployments.errors import ApiError
@@ -111,46 +110,6 @@ def test_stream_cut_by_length_and_failure():
 
 
 # ---------------------------------------------------------------------------------------------- routes
-
-
-class AsyncHost:
-    """A real EngineHost behind the async `info`/`stats` the ingress awaits (as over a Ray handle)."""
-
-    def __init__(self, host) -> None:
-        self.host = host
-
-    def stream(self, prompt_tokens, params, request_id):
-        return self.host.stream(prompt_tokens, params, request_id)
-
-    async def info(self):
-        return self.host.info()
-
-    async def stats(self):
-        return self.host.stats()
-
-
-@contextlib.asynccontextmanager
-async def in_process(model_dir, **app_args):
-    """The real app over a real engine in this process; an httpx client whose transport is the app."""
-    import httpx
-
-    from deployments.engine_host import EngineHost, load_tokenizer
-    from deployments.http_app import OpenAIServer
-    from deployments.settings import AppSettings
-    from e2e_helpers import tiny_args
-
-    settings = AppSettings.from_args(tiny_args(model_dir, **app_args))
-    host = EngineHost(settings.engine)
-    await host.start()
-    server = OpenAIServer(settings, AsyncHost(host), lambda: load_tokenizer(str(model_dir)))
-    try:
-        await server.refresh()
-        assert server.ready is not None, "the in-process engine did not become ready"
-        transport = httpx.ASGITransport(app=server.app())
-        async with httpx.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
-            yield client
-    finally:
-        await host.shutdown(0)
 
 
 def run_app(model_dir, tmp_path, body, **app_args):
