@@ -58,6 +58,9 @@ class SsdTier:
         self.seed = chain_seed(fingerprint)
         self.counters = TierCounters()
         self.writes_enabled = True
+        self.stats_errors = 0  # stats() calls that could not size the directory
+        self.lost_files = 0  # entries whose row was there but whose file was gone
+        self._stats_failing = False
         self._queue_bytes = queue_bytes
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -119,18 +122,21 @@ class SsdTier:
 
     def _load(self, digest: bytes, blocks: int, tokens: np.ndarray) -> SsdMatch | None:
         mkey = marker_key(digest)
-        ekey_raw = self.storage.get(mkey)
-        ekey = ekey_raw.decode("ascii", "replace") if ekey_raw else None
+        bad = mkey  # the row to delete if what is read turns out damaged
         try:
-            data = self.storage.get(ekey) if ekey else None
-            if data is None:  # stale marker: its entry was evicted
-                self.storage.delete(mkey)
+            ekey = _named_entry(self.storage.get(mkey), len(digest))
+            if ekey is None:  # evicted between the probe and this read
+                return None
+            bad = ekey
+            data = self.storage.get(ekey)
+            if data is None:
+                self._drop_unreadable(mkey, ekey)
                 return None
             entry = codec.decode(data, self.fingerprint)
         except (codec.CorruptEntry, UnsafeRow) as e:
             self.counters.corrupt += 1
-            log.warning("prefix cache: deleting corrupt SSD entry %s: %s", ekey, e)
-            self.storage.delete(ekey)  # type: ignore[arg-type]
+            log.warning("prefix cache: deleting corrupt SSD row %s: %s", bad, e)
+            self.storage.delete(bad)
             return None
         common = common_prefix(entry.tokens, tokens)
         if common < blocks * self.block_size:  # collision or stale marker: never serve
@@ -139,6 +145,16 @@ class SsdTier:
         snap = codec.from_host(entry)
         usable = usable_length(snap, common, len(tokens))
         return SsdMatch(snap, usable) if usable > 0 else None
+
+    def _drop_unreadable(self, mkey: str, ekey: str) -> None:
+        """A marker whose entry reads as nothing: evicted (a normal, stale marker), or a row whose
+        file is gone (the directory was deleted or its files removed): a fault, counted."""
+        if self.storage.contains(ekey):
+            self.lost_files += 1
+            log.warning("prefix cache: the file of SSD entry %s is missing (directory deleted?); "
+                        "dropping the entry", ekey)
+            self.storage.delete(ekey)
+        self.storage.delete(mkey)
 
     def flush(self) -> None:
         self._queue.join()
@@ -188,11 +204,35 @@ class SsdTier:
             self.counters.write_errors += 1
 
     def stats(self) -> dict[str, object]:
-        """Counters plus what the directory holds: `keys` counts entries and their block markers."""
+        """Counters plus what the directory holds: `keys` counts entries and their block markers.
+
+        A directory that cannot be counted (deleted, unreadable) leaves `keys`/`bytes` out rather
+        than reporting a made-up number; `stats_errors` counts those failures (logged once per run
+        of failures, not on every scrape)."""
+        sizes: dict[str, int] = {}
         try:
-            keys, volume = self.storage.count(), self.storage.volume()
-        except Exception:
-            keys, volume = -1, -1
-        return self.counters.as_dict(enabled=True, writes_enabled=self.writes_enabled, keys=keys,
-                                     bytes=volume, queued=self._queue.qsize(),
-                                     queued_bytes=self._pending_bytes)
+            sizes = {"keys": self.storage.count(), "bytes": self.storage.volume()}
+        except Exception as e:  # stats must render whatever the disk does
+            self.stats_errors += 1
+            if not self._stats_failing:
+                log.warning("prefix cache: cannot read the SSD directory's size (%s: %s); "
+                            "keys/bytes are left out of the stats until it can be read", type(e).__name__, e)
+            self._stats_failing = True
+        else:
+            if self._stats_failing:
+                log.info("prefix cache: the SSD directory's size can be read again")
+            self._stats_failing = False
+        return self.counters.as_dict(enabled=True, writes_enabled=self.writes_enabled, queued=self._queue.qsize(),
+                                     queued_bytes=self._pending_bytes,
+                                     lost_files=self.lost_files, stats_errors=self.stats_errors, **sizes)
+
+
+def _named_entry(marker: bytes | None, digest_size: int) -> str | None:
+    """The entry key a marker's value names; a value that is not an entry key is a damaged row."""
+    if marker is None:
+        return None
+    text = marker.decode("ascii", "replace")
+    hexpart = text[len(entry_key(b"")):]
+    if len(hexpart) != 2 * digest_size or hexpart.strip("0123456789abcdef") or entry_key(bytes.fromhex(hexpart)) != text:
+        raise codec.CorruptEntry(f"a block marker names {text[:80]!r}, not an entry key")
+    return text
