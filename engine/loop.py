@@ -28,6 +28,7 @@ from engine.types import (ContextLengthError, EngineClosedError, FinishReason, R
 log = logging.getLogger("pomona.engine")
 
 IDLE_WAIT_S = 0.5
+CLOSED = "The server is shutting down; retry on another replica."
 STATS_EVERY_S = 0.25
 
 
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._ready = concurrent.futures.Future()
         self._stats: dict[str, Any] = {"ready": False}
         self._closing = False
+        self._stopped = False  # the MLX thread has gone: commands would never be answered
         self._engine: Engine | None = None
         self.tokenizer: Any = None
         self.context_length = 0
@@ -105,7 +107,7 @@ class AsyncEngine:
     def check(self, request: Request) -> None:
         """Refuse a request that can never run, before it is queued."""
         if self._closing:
-            raise EngineClosedError("The server is shutting down; retry on another replica.")
+            raise EngineClosedError(CLOSED)
         need = len(request.prompt_tokens) + request.params.max_tokens
         if self.context_length and need > self.context_length:
             raise ContextLengthError(
@@ -127,10 +129,12 @@ class AsyncEngine:
             request = await self._constrain(request)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self._stopped:  # a grammar compiled while the engine stopped
+                raise EngineClosedError(CLOSED)
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = stream
-        self._commands.put(("add", request))
+            self._commands.put(("add", request))
         # Requests without stop strings are detokenized here, on the caller's thread, not the MLX one.
         text = None if text_in_engine(request.params.stop) else ConsumerText(lambda: self.tokenizer.detokenizer)
         finished = False
@@ -169,7 +173,10 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the MLX thread (cache administration, status) and await its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", (fn, future)))
+        with self._lock:  # the thread marks itself stopped under this lock, then answers what is queued
+            if self._stopped:
+                raise EngineClosedError(CLOSED)
+            self._commands.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
     async def deep_reset(self) -> int:
@@ -217,6 +224,7 @@ class AsyncEngine:
         except BaseException as exc:  # report loading failures to every waiter
             log.exception("engine failed to start")
             self._ready.set_exception(exc)
+            self._refuse_queued()
             return
         self._ready.set_result(None)
         last_stats = 0.0
@@ -232,10 +240,24 @@ class AsyncEngine:
                 last_stats = time.monotonic()
             self._deliver(events)
         for request_id in list(engine.seqs):
-            self._deliver(engine.abort_request(request_id, FinishReason.ABORT,
-                                               "The server is shutting down; retry on another replica.",
-                                               code="shutdown"))
-        engine.close()
+            self._deliver(engine.abort_request(request_id, FinishReason.ABORT, CLOSED, code="shutdown"))
+        self._refuse_queued()
+        engine.close()  # after the refusals: the SSD flush may take a while
+
+    def _refuse_queued(self) -> None:
+        """Stop taking commands and fail the ones still queued (behind the stop, or sent while the
+        engine was loading and failed): their callers would otherwise wait forever."""
+        with self._lock:
+            self._stopped = True
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._post(arg.request_id, EngineClosedError(CLOSED))
+            elif kind == "call" and arg[1].set_running_or_notify_cancel():
+                arg[1].set_exception(EngineClosedError(CLOSED))
 
     def _build(self) -> Engine:
         loaded = self._loader(self.config)
