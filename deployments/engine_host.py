@@ -16,7 +16,8 @@ import asyncio
 import logging
 import os
 import socket
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from engine.config import EngineConfig
@@ -26,6 +27,30 @@ from engine.types import (ContextLengthError, EngineClosedError, OverloadedError
 log = logging.getLogger("pomona.llm_server")
 
 HEALTH_PROBE_TIMEOUT_S = 20.0  # longer than the slowest bounded step (one prefill chunk)
+# Ray Serve's proxy -> ingress -> replica path carries about 1,300-2,600 stream items/s in all
+# (benchmarks/token_path.py), whatever each item holds; a replica stepping 128 requests every 12 ms
+# would need 10,000. Below this budget nothing waits; above it each stream sends fewer, fuller items.
+DEFAULT_STREAM_ITEMS_PER_S = 1000.0
+MAX_PACING_INTERVAL_S = 0.2  # the most any token waits for company, however many streams run
+
+
+@dataclass(frozen=True)
+class StreamPacing:
+    """How often one stream may send an item: its share of the replica's budget of items per second.
+
+    With `active` streams running, each sends at most one item every `active / items_per_s`
+    seconds (capped), carrying every token made meanwhile. One stream on a 50 ms step never waits;
+    128 streams on a 12 ms step send about 8 tokens an item. `items_per_s <= 0` turns pacing off:
+    one item per engine step per request, as fast as the engine makes them.
+    """
+
+    items_per_s: float = DEFAULT_STREAM_ITEMS_PER_S
+    max_interval_s: float = MAX_PACING_INTERVAL_S
+
+    def interval(self, active: int) -> float:
+        if self.items_per_s <= 0:
+            return 0.0
+        return min(max(active, 1) / self.items_per_s, self.max_interval_s)
 
 
 def event_to_wire(event: TokenEvent) -> dict[str, Any]:
@@ -85,13 +110,21 @@ def openblas_loaded() -> bool | None:
 class EngineHost:
     """The engine plus the conversions around it; one per LLM server replica."""
 
-    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None,
+                 pacing: StreamPacing = StreamPacing()) -> None:
         if engine_factory is None:
             from engine.loop import AsyncEngine
 
             engine_factory = AsyncEngine
         self.config = config
         self.engine = engine_factory(config)
+        self.pacing = pacing
+        self._active = 0  # streams between their first event and their end: they share the budget
+
+    @property
+    def active_streams(self) -> int:
+        """Streams running now: they share the pacing budget."""
+        return self._active
 
     async def start(self) -> None:
         await self.engine.wait_ready()
@@ -111,10 +144,12 @@ class EngineHost:
 
     async def stream(self, prompt_tokens: Sequence[int], params: Mapping[str, Any],
                      request_id: str) -> AsyncIterator[Any]:
-        """Yield everything available whenever the consumer is ready; abort when the consumer leaves.
+        """Yield everything available, paced by `self.pacing`; abort when the consumer leaves.
 
-        The engine's `stream` already coalesces: while this generator is suspended at a `yield`
-        (the transfer to the ingress is in progress), events pile up and go out as one batch.
+        The engine's `stream` coalesces: asked for its next batch, it returns every event made
+        since the last ask. A Ray streaming `yield` returns at once, so unpaced, each engine step
+        becomes one item per request. Pacing waits out the stream's interval before asking again,
+        so the events of the steps in between travel as one item. The first batch never waits.
         """
         try:
             request = Request(prompt_tokens=tuple(prompt_tokens), params=sampling_from_wire(params),
@@ -123,20 +158,33 @@ class EngineHost:
             yield rejection(exc)
             return
         batches = self.engine.stream(request)
+        self._active += 1
         try:
             try:
                 first = await batches.__anext__()
             except (OverloadedError, ContextLengthError, EngineClosedError, ValueError) as exc:
                 yield rejection(exc)
                 return
+            sent = time.monotonic()
             yield [event_to_wire(e) for e in first]
-            async for batch in batches:
+            finished = bool(first) and first[-1].finished
+            while not finished:
+                wait = sent + self.pacing.interval(self._active) - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                try:
+                    batch = await batches.__anext__()
+                except StopAsyncIteration:
+                    return
+                sent = time.monotonic()
+                finished = bool(batch) and batch[-1].finished
                 yield [event_to_wire(e) for e in batch]
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away (Ray Serve cancels this generator): free the slot at the next step.
             self.engine.abort(request_id)
             raise
         finally:
+            self._active -= 1
             await _close_quietly(batches)
 
     async def routing_stats(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from deployments.engine_host import EngineHost
+from deployments.engine_host import EngineHost, StreamPacing
 from deployments.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
@@ -33,7 +33,7 @@ class LLMServer:
     async def __init__(self, settings: AppSettings) -> None:
         # Load before the replica counts as started, so no request reaches a half-loaded engine.
         self._settings = settings
-        self._host = EngineHost(settings.engine)
+        self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s))
         await self._host.start()
 
     async def generate(self, prompt_tokens: list[int], params: dict[str, Any],

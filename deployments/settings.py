@@ -78,6 +78,9 @@ class AppSettings:
     fleet: FleetSettings = FleetSettings()  # routing over replicas and autoscaling (deployments/fleet.py)
     blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
     drain_s: float = 30.0
+    # Stream items/s each LLM server replica sends through Ray Serve, all streams together
+    # (deployments/engine_host.py StreamPacing); 0 sends one item per engine step per request.
+    stream_items_per_s: float = 1000.0
     responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (deployments/response_store.py)
     tool_parser: str | None = None  # an mlx_lm.tool_parsers module name; None: the model's own, else the fallback
 

@@ -1,0 +1,79 @@
+"""EngineHost's stream pacing (deployments/engine_host.py): fewer, fuller stream items, same tokens.
+
+Real engine on the tiny model, in this process; no Ray (the paced generator is what the LLM server
+deployment yields through Ray Serve, unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from deployments.engine_host import EngineHost, StreamPacing, sampling_to_wire
+from engine.types import SamplingParams
+from engine_helpers import make_engine
+
+TOKENS = 24
+
+
+def test_interval_is_each_streams_share_of_the_budget() -> None:
+    pacing = StreamPacing(items_per_s=1000.0, max_interval_s=0.2)
+    assert pacing.interval(1) == pytest.approx(0.001)
+    assert pacing.interval(0) == pytest.approx(0.001)  # a stream counts itself
+    assert pacing.interval(64) == pytest.approx(0.064)
+    assert pacing.interval(500) == pytest.approx(0.2)  # capped: no token waits longer
+    assert StreamPacing(items_per_s=0).interval(128) == 0.0  # off
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Any):
+    engine = make_engine(tiny_model_dir)
+    yield engine
+    asyncio.run(engine.shutdown(drain_s=0))
+
+
+def _host(engine: Any, pacing: StreamPacing) -> EngineHost:
+    return EngineHost(engine.config, engine_factory=lambda _: engine, pacing=pacing)
+
+
+def _params(max_tokens: int = TOKENS) -> dict[str, Any]:
+    return sampling_to_wire(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+async def _items(host: EngineHost, rid: str) -> list[list[dict[str, Any]]]:
+    return [item async for item in host.stream([1, 2, 3, 4], _params(), rid)]
+
+
+def test_paced_stream_sends_every_token_in_fewer_items(engine: Any) -> None:
+    unpaced = asyncio.run(_items(_host(engine, StreamPacing(items_per_s=0)), "unpaced"))
+    # One stream, 1 item/s: the first token goes at once, the rest wait out the interval together.
+    paced = asyncio.run(_items(_host(engine, StreamPacing(items_per_s=1.0, max_interval_s=1.0)), "paced"))
+
+    def tokens(items: list[list[dict[str, Any]]]) -> list[int]:
+        return [e["token"] for item in items for e in item if e["token"] is not None]
+
+    assert tokens(paced) == tokens(unpaced) and len(tokens(paced)) == TOKENS
+    assert "".join(e["text"] for i in paced for e in i) == "".join(e["text"] for i in unpaced for e in i)
+    assert len(paced[0]) >= 1 and paced[-1][-1]["finish"] == "length"
+    assert len(paced) < TOKENS // 2, [len(i) for i in paced]
+
+
+def test_client_leaving_while_paced_aborts_the_request(engine: Any) -> None:
+    host = _host(engine, StreamPacing(items_per_s=0.5, max_interval_s=2.0))
+
+    async def leave_early() -> int:
+        stream = host.stream([5, 6, 7], _params(max_tokens=1500), "leaver")
+        first = await stream.__anext__()
+        assert first and first[0]["token"] is not None
+        assert host.active_streams == 1
+        await stream.aclose()  # what Ray Serve does when the caller goes away: the host is asleep now
+        for _ in range(200):  # the abort lands at the engine's next step
+            if not await engine.requests_status():
+                break
+            await asyncio.sleep(0.05)
+        return len(await engine.requests_status())
+
+    assert asyncio.run(leave_early()) == 0
+    assert host.active_streams == 0
