@@ -14,10 +14,11 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
                  param: str | None = None, code: str | None = None,
-                 headers: tuple[tuple[str, str], ...] = ()) -> None:
+                 headers: tuple[tuple[str, str], ...] = (), request_id: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers
+        self.request_id = request_id  # set on server faults: the id their log line carries
 
     def __str__(self) -> str:
         return f"{self.status} {self.type}: {self.message}"
@@ -28,7 +29,10 @@ class ApiError(Exception):
     def anthropic_body(self) -> dict[str, Any]:
         """The same error in Anthropic's shape (its routes, /v1/messages...), same status code."""
         kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": self.message}}
+        if self.request_id:
+            body["request_id"] = self.request_id  # where Anthropic's API puts it
+        return body
 
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
@@ -73,6 +77,17 @@ def unavailable(message: str, retry_after_s: int = 2) -> ApiError:
 
 def server_error(message: str, code: str | None = "internal_error") -> ApiError:
     return ApiError(500, message, "server_error", None, code)
+
+
+def internal_fault(request_id: str) -> ApiError:
+    """A fault in the server's own code (not the request's): 500, with the id its log line carries.
+
+    The id goes out in the message and in the headers OpenAI's and Anthropic's clients read
+    (`x-request-id`, `request-id`), so a user can quote it and an operator can find the traceback."""
+    return ApiError(500, f"The server hit an internal error (request id {request_id}); retrying is safe. If it "
+                         "persists, report the request id: the server log has the error under it.",
+                    "server_error", None, "internal_error",
+                    (("x-request-id", request_id), ("request-id", request_id)), request_id)
 
 
 def timed_out(message: str) -> ApiError:

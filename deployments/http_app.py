@@ -31,8 +31,8 @@ from deployments import anthropic_api, openai_types as oa, responses_api
 from deployments.admin import AdminRoutes
 from deployments.dialect import respond
 from deployments.engine_host import sampling_to_wire
-from deployments.errors import (ApiError, body_for, invalid, not_found, overloaded, server_error, too_large, unauthorized,
-                                 unavailable)
+from deployments.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
+                                 too_large, unauthorized, unavailable)
 from deployments.generation import Pipeline
 from deployments.metrics import IngressMetrics
 from deployments.openai_chat import OpenAIChat
@@ -212,10 +212,13 @@ class OpenAIServer:
         return error_response(err, request.url.path)
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
+        """Any exception that is not an ApiError is a fault in our code, whatever its type: a 500 with
+        a request id that the log line (with the traceback) carries too, never a 4xx."""
+        rid = f"req_{uuid.uuid4().hex}"
+        log.error("internal error on %s %s, request id %s: %s: %s", request.method, request.url.path, rid,
+                  type(exc).__name__, exc, exc_info=exc)
         self.metrics.count(request.url.path, 500)
-        return error_response(server_error("The server hit an internal error; retrying is safe. "
-                                           "If it persists, check the server log."), request.url.path)
+        return error_response(internal_fault(rid), request.url.path)
 
     async def health(self, request: Request) -> Response:
         if self.ready is None:
@@ -229,8 +232,11 @@ class OpenAIServer:
     async def metrics_route(self, request: Request) -> Response:
         try:
             engine = await asyncio.wait_for(self.backend.stats(), STATS_TIMEOUT_S)
-        except Exception:  # metrics must render even with the model server down
+        except Exception as exc:  # metrics must render with the model server down: counted, logged once
             engine = None
+            self.metrics.engine_stats_failed(exc)
+        else:
+            self.metrics.engine_stats_arrived()
         return PlainTextResponse(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:

@@ -7,9 +7,12 @@ need no locks, and engine stats arrive as a dict whose keys may grow without cod
 from __future__ import annotations
 
 import bisect
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+log = logging.getLogger("pomona.ingress")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -61,12 +64,26 @@ class IngressMetrics:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
     disconnects: int = 0
+    engine_stats_errors: int = 0  # /metrics scrapes that got no stats from the model server
+    engine_stats_ok: bool = True  # a change is logged, not every failed scrape
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
 
     def count(self, route: str, status: int) -> None:
         self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+
+    def engine_stats_failed(self, exc: BaseException) -> None:
+        self.engine_stats_errors += 1
+        if self.engine_stats_ok:
+            log.warning("/metrics: the model server's stats are unavailable (%s: %s); pomona_engine_up is 0 "
+                        "until they come back", type(exc).__name__, exc)
+        self.engine_stats_ok = False
+
+    def engine_stats_arrived(self) -> None:
+        if not self.engine_stats_ok:
+            log.info("/metrics: the model server's stats are back")
+        self.engine_stats_ok = True
 
     def usage(self, usage: Mapping[str, Any]) -> None:
         self.tokens["prompt"] += int(usage.get("prompt_tokens", 0))
@@ -92,6 +109,8 @@ class IngressMetrics:
                            ("pomona_request_duration_seconds", self.e2e)):
             out.append(f"# TYPE {name} histogram")
             out += hist.render(name)
+        out += ["# TYPE pomona_engine_stats_errors_total counter",
+                f"pomona_engine_stats_errors_total {self.engine_stats_errors}", "# TYPE pomona_engine_up gauge"]
         out += render_engine(engine) if engine is not None else ["pomona_engine_up 0"]
         return "\n".join(out) + "\n"
 

@@ -81,12 +81,13 @@ class AsyncReplica:
 
 
 @contextlib.asynccontextmanager
-async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None,
+async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None, raise_app_exceptions: bool = True,
                      **app_args: Any) -> AsyncIterator[Any]:
     """The real app on a real engine in this process; an async client whose transport is the app.
 
     `http_lib` is httpx, or httpx2 for the anthropic SDK (which refuses httpx objects); `wrap` goes
-    around the loaded model (tests/engine_helpers.FaultyModel injects faults)."""
+    around the loaded model (tests/engine_helpers.FaultyModel injects faults); with
+    `raise_app_exceptions=False` the client gets the 500 the server sends, as over a socket."""
     from engine.loop import AsyncEngine
     from engine_helpers import tiny_loader
     from deployments.engine_host import EngineHost, load_tokenizer
@@ -104,7 +105,7 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None,
     try:
         await server.refresh()
         assert server.ready is not None, "the in-process engine did not become ready"
-        transport = http_lib.ASGITransport(app=server.app())
+        transport = http_lib.ASGITransport(app=server.app(), raise_app_exceptions=raise_app_exceptions)
         async with http_lib.AsyncClient(transport=transport, base_url="http://pomona.test", timeout=120) as client:
             yield client
     finally:
