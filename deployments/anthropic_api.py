@@ -15,7 +15,6 @@ applies over it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from typing import Any, AsyncIterator
@@ -202,36 +201,11 @@ class AnthropicMessages:
 # ---------------------------------------------------------------------------------------------- routes
 
 
-class RoomCapped:
-    """The pipeline with Anthropic's max_tokens read as a cap: a request whose max_tokens does not
-    fit beside its prompt gets the room that is left (agent clients size max_tokens for Claude's
-    context). Only that failing case renders the prompt a second time."""
-
-    def __init__(self, pipeline: Any) -> None:
-        self.inner, self.host = pipeline, pipeline.host
-
-    async def prepare(self, conv: Conversation) -> Any:
-        try:
-            return await self.inner.prepare(conv)
-        except ApiError as err:
-            if err.code != "context_length_exceeded" or conv.max_tokens is None:
-                raise
-            n_prompt = len((await self.inner.render(conv))[1])
-            room = self.host.require_ready().context_length - n_prompt
-            if room < 1 or room >= conv.max_tokens:
-                raise
-            return await self.inner.prepare(dataclasses.replace(conv, max_tokens=room))
-
-    async def start(self, prepared: Any, rid: str, choice: int = 0) -> Run:
-        return await self.inner.start(prepared, rid, choice)
-
-
 def routes(server: Any) -> list[Route]:
     dialect = AnthropicMessages(server.settings.limits, server.settings.engine.max_tokens_limit)
-    pipeline = RoomCapped(server.pipeline)
 
     async def messages(request: Request) -> Response:
-        return await respond(request, dialect, pipeline, server.read_json, server.model_name)  # type: ignore[arg-type]
+        return await respond(request, dialect, server.pipeline, server.read_json, server.model_name)
 
     async def count_tokens(request: Request) -> Response:
         try:

@@ -7,8 +7,8 @@ Decisions, so an agent client pointed at Pomona works unmodified:
   the field: server tools (`web_search_...`, `bash_...`), non-empty `mcp_servers`, image or
   document blocks, a final assistant turn (prefill).
 - `max_tokens` is required, as Anthropic requires it; a value above the server's limit is
-  clamped to it (clients size it for Claude, e.g. 32000), as is the room left in the context
-  (deployments.anthropic_api).
+  clamped to it (clients size it for Claude, e.g. 32000), and read as a cap on the room left in
+  the context (`Conversation.max_tokens_cap`, applied by deployments.generation).
 - `thinking` never fails: enabled/adaptive/disabled set the template's `enable_thinking`;
   templates without thinking ignore it. `budget_tokens` is not enforced.
 - Text blocks of one turn (and of `system`) are joined with a blank line.
@@ -52,6 +52,7 @@ def parse_messages_request(body: Mapping[str, Any], limits: oa.Limits, engine_ma
     return Conversation(
         model=model, messages=((Message("system", system),) if system else ()) + messages,
         sampling=_sampling(body, limits), max_tokens=None if counting else _max_tokens(body, limits, engine_max_tokens),
+        max_tokens_cap=True,
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, output_format=_output_format(body),
         chat_template_kwargs=tuple(sorted(kwargs.items())), stream=False if counting else oa.read_field(
             body, "stream", bool, False),

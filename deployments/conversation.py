@@ -80,7 +80,11 @@ class OutputFormat:
 class Conversation:
     """A validated chat-style request, whichever dialect it came in.
 
-    `max_tokens` None means the server's default bounded by the room left in the context.
+    `max_tokens` None means the server's default bounded by the room left in the context; with
+    `max_tokens_cap` a max_tokens that does not fit beside the prompt becomes the room left (agent
+    clients size Anthropic's required max_tokens for Claude's context) instead of a 400.
+    `parallel_tool_calls` False: at most one call in the answer, whatever `tool_choice` is
+    (deployments.generation ends the generation when the first call closes).
     `param_prefix` names where the dialect keeps fields, so errors found later (a bad schema)
     point at the client's own field names (e.g. "response_format" or "output_config.format").
     """
@@ -89,6 +93,7 @@ class Conversation:
     messages: tuple[Message, ...]
     sampling: SamplingParams  # its max_tokens is a placeholder until the prompt length is known
     max_tokens: int | None = None
+    max_tokens_cap: bool = False
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True

@@ -17,6 +17,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from mlx_lm.tool_parsers import json_tools
 
+from engine.types import MAX_STOP_STRINGS, SamplingParams
+
 from deployments.conversation import Completion, Conversation, OutputEvent, Tool, Usage
 from deployments.engine_host import sampling_to_wire
 from deployments.errors import invalid, server_error
@@ -49,6 +51,7 @@ class Prepared:
     params: dict[str, Any]
     syntax: ToolSyntax
     starts_in_reasoning: bool
+    added_stop: str | None = None  # the call end marker added as a stop string: never reported as one
 
 
 def _tool_dicts(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
@@ -61,6 +64,28 @@ def _opens_reasoning(tokenizer: Any, prompt: str) -> bool:
     if not getattr(tokenizer, "has_thinking", False):
         return False
     return prompt.rfind(tokenizer.think_start) > prompt.rfind(tokenizer.think_end)
+
+
+def _end_at_first_call(conv: Conversation, sampling: SamplingParams, syntax: ToolSyntax,
+                       tokenizer: Any) -> tuple[SamplingParams, str | None]:
+    """`parallel_tool_calls` false under "auto": the engine stops at the first call's end marker (a
+    stop token when the marker is one special token, else a stop string), so the answer holds at most
+    one call and no tokens are spent on a second. The parser keeps only the first call in any case
+    (a syntax without an end marker, one section holding several calls). "required" / "named" need
+    nothing: their grammar allows one call. The added stop string is not reported as a stop sequence.
+
+    Side effect, accepted: an end marker the model writes outside a call (in prose, in reasoning)
+    ends the answer there too; that text is call markup that would not reach the client anyway."""
+    if conv.parallel_tool_calls or not conv.tools or conv.tool_choice.mode != "auto" or not syntax.end:
+        return sampling, None
+    end_token = special_marker_id(tokenizer, syntax.end)
+    if end_token is not None:
+        return dataclasses.replace(sampling, stop_token_ids=sampling.stop_token_ids + (end_token,)), None
+    if syntax.end in sampling.stop:
+        return sampling, None  # the client's own stop: reported as theirs
+    if len(sampling.stop) >= MAX_STOP_STRINGS:
+        return sampling, None  # no room for one more: the parser still keeps only the first call
+    return dataclasses.replace(sampling, stop=sampling.stop + (syntax.end,)), syntax.end
 
 
 class Pipeline:
@@ -127,17 +152,20 @@ class Pipeline:
             syntax = dataclasses.replace(syntax, name="json_tools", parse=json_tools.parse_tool_call, json_body=True)
         sampling = dataclasses.replace(conv.sampling, max_tokens=self._max_tokens(conv, len(tokens), ready),
                                        grammar=grammar)
+        sampling, added = _end_at_first_call(conv, sampling, syntax, ready.tokenizer)
         return Prepared(conv, tuple(tokens), sampling_to_wire(sampling), syntax,
-                        _opens_reasoning(ready.tokenizer, text))
+                        _opens_reasoning(ready.tokenizer, text), added)
 
     def _max_tokens(self, conv: Conversation, n_prompt: int, ready: Any) -> int:
         context, limit = ready.context_length, self.host.settings.limits.max_prompt_tokens
         if limit is not None and n_prompt > limit:
             raise invalid(f"The prompt has {n_prompt} tokens; this server accepts at most {limit}. "
                           "Shorten the prompt.", param="messages", code="context_length_exceeded")
-        max_tokens = conv.max_tokens
+        max_tokens, room = conv.max_tokens, context - n_prompt
         if max_tokens is None:  # as much as fits, bounded by the server's default
-            max_tokens = min(self.host.settings.engine.default_max_tokens, context - n_prompt)
+            max_tokens = min(self.host.settings.engine.default_max_tokens, room)
+        elif conv.max_tokens_cap and 1 <= room < max_tokens:
+            max_tokens = room
         if max_tokens < 1 or n_prompt + max_tokens > context:
             need = max(max_tokens, 1)
             raise invalid(f"This model's maximum context length is {context} tokens, but the request needs "
@@ -154,7 +182,8 @@ class Pipeline:
                             think_end=tok.think_end if has_thinking else None,
                             reasoning_inline=conv.reasoning_inline,
                             tools_enabled=bool(conv.tools) and conv.tool_choice.mode != "none",
-                            starts_in_reasoning=prepared.starts_in_reasoning)
+                            starts_in_reasoning=prepared.starts_in_reasoning,
+                            max_calls=None if conv.parallel_tool_calls else 1)
 
     async def start(self, prepared: Prepared, rid: str, choice: int = 0) -> "Run":
         """Start one choice; raises ApiError when the engine refuses it before the first token."""
@@ -168,14 +197,17 @@ class Pipeline:
         except BaseException:
             await stream.aclose()
             raise
-        return Run(stream, first, self.parser(prepared), Tracker(self.host.metrics, started), self.host.metrics)
+        return Run(stream, first, self.parser(prepared), Tracker(self.host.metrics, started), self.host.metrics,
+                   prepared.added_stop)
 
 
 class Run:
     """One choice in flight: iterate it for lists of `OutputEvent` (one list per engine batch)."""
 
-    def __init__(self, stream: Any, first: list[Any], parser: OutputParser, tracker: Tracker, metrics: Any) -> None:
+    def __init__(self, stream: Any, first: list[Any], parser: OutputParser, tracker: Tracker, metrics: Any,
+                 added_stop: str | None = None) -> None:
         self._stream, self._first, self._parser = stream, first, parser
+        self._added_stop = added_stop
         self.tracker, self._metrics = tracker, metrics
         self.completion: Completion | None = None
         self.batch_logprobs: list[dict[str, Any]] = []  # the latest batch's, for streamed logprobs
@@ -205,10 +237,11 @@ class Run:
         u = self.tracker.usage
         usage = Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)),
                       int(u.get("cached_tokens", 0)))
-        p = self._parser
+        p, stop = self._parser, final.get("stop_str")
         return Completion(text=p.text, reasoning=p.reasoning, tool_calls=p.tool_calls,
                           finish=p.finish_reason(self.tracker.finish or "stop"), usage=usage,
-                          stop_sequence=final.get("stop_str"), logprobs=tuple(self.tracker.logprobs))
+                          stop_sequence=None if stop == self._added_stop else stop,
+                          logprobs=tuple(self.tracker.logprobs))
 
     async def drain(self) -> Completion:
         async for _ in self:

@@ -25,6 +25,8 @@ section (the text between a call's start and end markers) is parsed with the syn
 - Whitespace-only content next to a call (the "\\n" between `</tool_call>` and the next
   `<tool_call>`, or after the last one) is not content; other content is sent as generated.
 - With `reasoning_inline` (or no think markers) the think markers are ordinary text.
+- `max_calls` (1 for `parallel_tool_calls: false`): calls after that many are left out, neither
+  sent nor counted as dropped; their markup never reaches content either.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mlx_lm.generate import TextStateMachine
 
 from deployments.conversation import (OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
                                       ToolCallEnd, ToolCallStart)
+from deployments.call_scanner import CallScanner
 from deployments.tool_syntax import ToolSyntax
 
 log = logging.getLogger("pomona.ingress")
@@ -64,113 +67,11 @@ def _machine(think: tuple[str, str] | None, tool: tuple[str, str] | None) -> Tex
     return TextStateMachine(transitions)
 
 
-class _JsonScanner:
-    """Follows a growing `{"name": ..., "arguments": ...}` text: where the first "arguments" value
-    begins and ends, and the first "name" string. Tracks strings, escapes and nesting only; the
-    final text is still checked with json.loads."""
-
-    def __init__(self) -> None:
-        self.body = ""
-        self.name: str | None = None
-        self.args_start: int | None = None
-        self.args_end: int | None = None
-        self.args_object = False  # the arguments value is an object: streamable
-        self.end: int | None = None  # just after the wrapper object's closing brace
-        self._pos = self._depth = 0
-        self._in_str = self._esc = False
-        self._expect = "wrapper"  # wrapper, key, colon, value, comma, done, off
-        self._key: str | None = None
-        self._tok: int | None = None  # start of the depth-1 key or value being read
-        self._scalar = False
-
-    def feed(self, text: str) -> None:
-        self.body += text
-        for i in range(self._pos, len(self.body)):
-            if self._expect in ("done", "off"):
-                break
-            self._char(i, self.body[i])
-        self._pos = len(self.body)
-
-    def args_so_far(self, skip: int = 0) -> str:
-        """The arguments value's text scanned so far, less its first `skip` characters."""
-        if self.args_start is None:
-            return ""
-        return self.body[self.args_start + skip:self.args_end if self.args_end is not None else len(self.body)]
-
-    def _char(self, i: int, ch: str) -> None:
-        if self._in_str:
-            if self._esc:
-                self._esc = False
-            elif ch == "\\":
-                self._esc = True
-            elif ch == '"':
-                self._in_str = False
-                if self._depth == 1:
-                    self._token_end(i + 1)
-            return
-        if self._expect == "wrapper":
-            if ch == "{":
-                self._depth, self._expect = 1, "key"
-            elif not ch.isspace():
-                self._expect = "off"  # not an object: parsed whole at the end
-            return
-        if self._scalar and (ch in ",}" or ch.isspace()):
-            self._token_end(i)
-        if ch == '"':
-            self._in_str = True
-            if self._depth == 1:
-                self._token_start(i, ch)
-        elif ch in "{[":
-            if self._depth == 1:
-                self._token_start(i, ch)
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 1:
-                self._token_end(i + 1)
-            elif self._depth == 0:
-                self._expect, self.end = "done", i + 1
-        elif self._depth == 1:
-            if ch == ":" and self._expect == "colon":
-                self._expect = "value"
-            elif ch == "," and self._expect == "comma":
-                self._expect = "key"
-            elif not ch.isspace() and self._expect == "value" and not self._scalar:
-                self._token_start(i, ch)
-
-    def _token_start(self, i: int, ch: str) -> None:
-        if self._expect not in ("key", "value") or (self._expect == "key" and ch != '"'):
-            self._expect = "off"
-            return
-        self._tok, self._scalar = i, self._expect == "value" and ch not in '"{['
-        if self._expect == "value" and self._key == "arguments" and self.args_start is None:
-            self.args_start, self.args_object = i, ch == "{"
-
-    def _token_end(self, end: int) -> None:
-        assert self._tok is not None
-        text, self._scalar = self.body[self._tok:end], False
-        if self._expect == "key":
-            try:
-                self._key, self._expect = json.loads(text), "colon"
-            except json.JSONDecodeError:  # a bad escape: leave it to the final parse
-                self._expect = "off"
-            return
-        if self._key == "name" and self.name is None and text.startswith('"'):
-            try:
-                self.name = json.loads(text)
-            except json.JSONDecodeError:
-                self._expect = "off"
-                return
-        elif self._key == "arguments" and self.args_start == self._tok:
-            self.args_end = end
-        self._key, self._expect = None, "comma"
-
-
 class _Section:
     """One tool section in progress."""
 
     def __init__(self, json_body: bool) -> None:
-        self.scanner = _JsonScanner() if json_body else None
+        self.scanner = CallScanner() if json_body else None
         self.raw = ""
         self.index: int | None = None  # set once its ToolCallStart went out
         self.id = ""
@@ -209,12 +110,15 @@ class OutputParser:
 
     `tools`: the request's tools as OpenAI function dicts (mlx-lm's parsers read their schemas).
     `tools_enabled` False (tool_choice "none", or no tools): call markers are plain content.
-    `starts_in_reasoning`: the prompt ended inside an open think section.
+    `starts_in_reasoning`: the prompt ended inside an open think section. `max_calls`: see the module
+    docstring (None: no bound).
     """
 
     def __init__(self, syntax: ToolSyntax, tools: Sequence[dict[str, Any]] | None = None, *,
                  think_start: str | None = None, think_end: str | None = None, reasoning_inline: bool = False,
-                 tools_enabled: bool = True, starts_in_reasoning: bool = False) -> None:
+                 tools_enabled: bool = True, starts_in_reasoning: bool = False,
+                 max_calls: int | None = None) -> None:
+        self._max_calls = max_calls
         think = (think_start, think_end) if think_start and think_end and not reasoning_inline else None
         self._syntax, self._tools = syntax, list(tools or []) or None
         self._tools_on = tools_enabled
@@ -297,7 +201,7 @@ class OutputParser:
         if scan is None:
             return  # parsed whole at its end
         scan.feed(chunk)
-        if sec.index is None and scan.name:
+        if sec.index is None and scan.name and not self._full:
             self._start(sec, scan.name, new_call_id(), events)
         if sec.index is not None and scan.args_object:
             self._stream_args(sec, scan.args_so_far(len(sec.streamed)), events)
@@ -319,6 +223,9 @@ class OutputParser:
         assert sec is not None
         if sec.index is not None:
             self._close_streamed(sec, events)
+            return
+        if self._full:  # a call past max_calls: left out (the spacing before it goes too)
+            self._ws, self._after_call = self._ws_before, True
             return
         calls = self._parse(sec.raw)
         if calls is None:  # not a call: dropped, never content (see the module docstring)
@@ -350,8 +257,10 @@ class OutputParser:
             self._emit_calls(self._parse(rest) or [], events)
 
     def _emit_calls(self, calls: list[tuple[str, str, str | None]], events: list[OutputEvent]) -> None:
-        """Calls parsed whole: each sent as one start, one delta, one end."""
+        """Calls parsed whole: each sent as one start, one delta, one end (up to max_calls)."""
         for name, args, call_id in calls:
+            if self._full:
+                return
             index = len(self._calls)
             call = ToolCall(call_id or new_call_id(), name, args)
             events += [ToolCallStart(index, call.id, name), ToolArgsDelta(index, args), ToolCallEnd(index, call)]
@@ -363,6 +272,10 @@ class OutputParser:
             return _normalise(self._syntax.parse(raw, self._tools))
         except Exception:  # noqa: BLE001 - mlx-lm's parsers raise ValueError, KeyError, SyntaxError...
             return None
+
+    @property
+    def _full(self) -> bool:
+        return self._max_calls is not None and len(self._calls) >= self._max_calls
 
     # ------------------------------------------------------------------------------- results
 

@@ -128,6 +128,26 @@ def test_every_split_gives_the_same_events(tokenizer, name, text, expected):
     assert merged(run(OutputParser(syntax, TOOLS), list(text))) == reference
 
 
+TWO_CALLS = [c for c in CASES if len(c[2]) > 1]
+
+
+@pytest.mark.parametrize("name,text,expected", TWO_CALLS, ids=[c[0] for c in TWO_CALLS])
+def test_max_calls_keeps_only_the_first_call(tokenizer, name, text, expected):
+    """parallel_tool_calls false: one call in the answer, whether the second has its own section
+    (json_tools, qwen3_coder, mistral) or shares the first's (pythonic's list, kimi's section)."""
+    syntax = syntax_for(tokenizer, forced=name)
+
+    def make():
+        return OutputParser(syntax, TOOLS, max_calls=1)
+    events = split_everywhere(make, text + " More text.")
+    check_calls([e for e in run(make(), [text])], expected[:1])
+    parser = make()
+    run(parser, [text])
+    assert [c.name for c in parser.tool_calls] == [expected[0][0]] and parser.dropped_calls == 0
+    assert parser.text == text[:text.index(syntax.start)].rstrip() and parser.finish_reason("stop") == "tool_calls"
+    assert sum(1 for e in events if isinstance(e, tuple) and e[0] == "start") == 1
+
+
 def test_every_wireable_parser_is_covered():
     assert {c[0] for c in CASES} == set(available_parsers())
 
