@@ -19,8 +19,10 @@ SERVE_CONFIG = ROOT / "serve_config.yaml"
 APPLE_SILICON_RESOURCE = "apple_silicon"  # what deployments.settings asks the LLM replica for
 
 
-def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SERVE_CONFIG) -> Path:
-    """serve_config.yaml with http_options on `port` and every application's model = `model_dir`."""
+def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SERVE_CONFIG,
+                     engine: dict[str, Any] | None = None, app_args: dict[str, Any] | None = None) -> Path:
+    """serve_config.yaml with http_options on `port`, every application's model = `model_dir`,
+    `engine` (EngineConfig fields) laid over its engine settings and `app_args` over its args."""
     import yaml
 
     config: dict[str, Any] = yaml.safe_load(base.read_text()) or {}
@@ -30,6 +32,9 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
     for app in config.get("applications") or []:
         args = dict(app.get("args") or {})
         args["model"] = str(model_dir)
+        args.update(app_args or {})
+        if engine:
+            args["engine"] = {**(args.get("engine") or {}), **engine}
         cache = ((args.get("engine") or {}).get("cache") or {})
         if cache.get("ssd_dir"):
             # Keep the SSD tier as configured, but empty: the default directory outlives runs, and an
@@ -42,11 +47,13 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
     return out
 
 
-def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[str, Any]) -> ServerSpec:
+def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[str, Any],
+                  engine: dict[str, Any] | None = None, app_args: dict[str, Any] | None = None,
+                  name: str = "pomona") -> ServerSpec:
     if not SERVE_CONFIG.exists():
         return ServerSpec("pomona", ("true",), port, str(model_dir), extra_body,
                           skip_reason=f"{SERVE_CONFIG} does not exist yet (deployments not landed)")
-    config = generated_config(model_dir, port, run_dir)
+    config = generated_config(model_dir, port, run_dir, engine=engine, app_args=app_args)
     # Short path: Ray's socket paths must stay under the 107-byte limit of AF_UNIX addresses.
     ray_tmp = f"/tmp/pomona-bench-ray-{port}"
     # Ports of our own, outside Ray's defaults (6379, 10001, 52365, workers 10002-19999), so a
@@ -63,7 +70,7 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
                  f"--max-worker-port={workers[1]}"]
     serve_run = [str(venv_bin / "serve"), "run", f"--address=127.0.0.1:{gcs_port}", str(config)]
     script = f"set -e\n{shlex.join(ray_start)}\nexec {shlex.join(serve_run)}\n"
-    return ServerSpec("pomona", ("bash", "-c", script), port, str(model_dir), extra_body,
+    return ServerSpec(name, ("bash", "-c", script), port, str(model_dir), extra_body,
                       env={**blas_env(), "RAY_TMPDIR": ray_tmp, "RAY_worker_niceness": "0",
                            # the same auth mode for `ray start` and `serve run` (a ~/.ray/auth_token left by
                            # another Ray session would otherwise turn auth on for the head only)

@@ -56,9 +56,11 @@ def blas_env() -> dict[str, str]:
     return {}
 
 
-def mlx_lm_server(model_dir: Path, port: int, eos_bias: dict[str, Any]) -> ServerSpec:
+def mlx_lm_server(model_dir: Path, port: int, eos_bias: dict[str, Any],
+                  decode_concurrency: int | None = None) -> ServerSpec:
+    batch = ("--decode-concurrency", str(decode_concurrency)) if decode_concurrency else ()
     return ServerSpec("mlx_lm.server", (sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-                                        "--port", str(port)),
+                                        "--port", str(port), *batch),
                       port=port, model_name=str(model_dir), extra_body=eos_bias, env=blas_env())
 
 

@@ -28,23 +28,29 @@ from benchmarks.models import benchmark_model_dir
 from benchmarks.proc_cpu import diff, machine_cpu_seconds
 from benchmarks.pomona_server import pomona_server
 from benchmarks.report import plot_sweep
-from benchmarks.serve_bench import eos_extra_body, eos_ids_of, run_suite, write_json
+from benchmarks.serve_bench import eos_extra_body, eos_ids_of, run_suite, run_workload, write_json
 from benchmarks.servers import (ROOT, ServerSpec, available, blas_env, launched, mlx_lm_server,
                                 vllm_mlx_server)
-from benchmarks.workloads import Suite, TextMaker, full_suite, quick_suite
+from benchmarks.workloads import Suite, TextMaker, build, full_suite, quick_suite
 
 ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
+# Also runnable: "pomona-unpaced", Pomona sending one stream item per engine step per request
+# (stream_items_per_s: 0, as before deployments/engine_host.py paced its streams).
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
 
-def make_spec(name: str, model_dir: Path, port: int, run_dir: Path) -> ServerSpec:
+def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: int | None = None) -> ServerSpec:
+    """`max_batch`: sequences decoding together (Pomona's engine.max_running, mlx_lm.server's
+    --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
-    if name == "pomona":
-        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []))
+    if name in ("pomona", "pomona-unpaced"):
+        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []),
+                             engine={"max_running": max_batch} if max_batch else None,
+                             app_args={"stream_items_per_s": 0} if name == "pomona-unpaced" else None, name=name)
     if name == "vllm-mlx":
         return vllm_mlx_server(model_dir, port, bias, run_dir / "vllm-mlx-home")
     if name == "mlx_lm.server":
-        return mlx_lm_server(model_dir, port, bias)
+        return mlx_lm_server(model_dir, port, bias, max_batch)
     raise ValueError(f"unknown server {name!r}; known: {ALL_SERVERS}")
 
 
@@ -59,20 +65,23 @@ def served_model_name(spec: ServerSpec) -> str:
         return spec.model_name
 
 
-def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir: Path) -> dict[str, Any]:
-    """The bare loop in its own process, so it runs with the same LD_PRELOAD as the servers."""
-    cmd = [sys.executable, "-m", "benchmarks.bare_loop", str(model_dir),
-           "--concurrency", ",".join(map(str, concurrencies))] + (["--quick"] if quick else [])
+def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir: Path,
+             module: str = "benchmarks.bare_loop", extra: Sequence[str] = ()) -> dict[str, Any]:
+    """The bare loop (or `module`: benchmarks.engine_loop, Pomona's engine in process) in its own
+    process, so it runs with the same LD_PRELOAD as the servers."""
+    cmd = [sys.executable, "-m", module, str(model_dir),
+           "--concurrency", ",".join(map(str, concurrencies)), *extra] + (["--quick"] if quick else [])
     log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "bare_loop.log", "a") as log:
+    with open(log_dir / f"{module.rsplit('.', 1)[-1]}.log", "a") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
                               env={**os.environ, **blas_env()}, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
-               maker: TextMaker, parts: Sequence[str]) -> dict[str, Any]:
-    spec = make_spec(name, model_dir, port, out)
+               maker: TextMaker, parts: Sequence[str], max_batch: int | None = None,
+               warm: Sequence[int] = ()) -> dict[str, Any]:
+    spec = make_spec(name, model_dir, port, out, max_batch)
     why = available(spec)
     if why:
         print(f"[{name}] skipped: {why}", flush=True)
@@ -84,6 +93,9 @@ def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
             cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
             ready_s = running.up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
             print(f"[{name}] serving after {ready_s:.1f} s", flush=True)
+            for c in warm:  # untimed: a GPU backend compiles kernels for each new batch shape
+                spec_c = replace(suite.sweep_spec(c), seed=7, num_requests=max(c, 2))
+                run_workload(cfg, build(spec_c, maker), f"{name} warm c={c}", concurrency=c)
             cpu0, machine0, t0 = running.cpu(), machine_cpu_seconds(), time.perf_counter()
             result = run_suite(cfg, suite, maker, name, parts=parts)
             wall = time.perf_counter() - t0
@@ -114,6 +126,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(ALL_SERVERS))
     p.add_argument("--concurrency", default=None, help="comma list overriding the suite's sweep")
     p.add_argument("--no-bare", action="store_true", help="skip the bare BatchGenerator loop")
+    p.add_argument("--engine", action="store_true",
+                   help="also run Pomona's engine in process (benchmarks/engine_loop.py) on the same prompts")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoding together, every server and loop (default: each one's own, 32)")
+    p.add_argument("--warm", default="", help="comma list of concurrencies run untimed before each server's suite")
     p.add_argument("--parts", default="sweep,prefix,multiturn,rate", help="workloads to run (comma list)")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--out", default=f"benchmarks/results/side-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -134,13 +151,22 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     maker = TextMaker(model_dir)
     data: dict[str, Any] = {"command": command, "suite": asdict(suite), "model_dir": str(model_dir),
                             "servers": {}, "bare_loop": {}}
+    warm = tuple(int(c) for c in args.warm.split(",") if c)
+    # The loops run the warm concurrencies first, in the same process; the last run of each level is kept.
+    loop_levels = (*warm, *suite.concurrencies)
     if not args.no_bare:
-        data["bare_loop"] = run_bare(model_dir, args.quick, suite.concurrencies, out / "logs")
+        data["bare_loop"] = run_bare(model_dir, args.quick, loop_levels, out / "logs")
         tok_s = {c: round(b["output_throughput"], 1) for c, b in data["bare_loop"].items()}
         print(f"[bare loop] {json.dumps(tok_s)} tok/s", flush=True)
+    if args.engine:
+        extra = ["--max-running", str(args.max_batch)] if args.max_batch else []
+        data["engine_in_process"] = run_bare(model_dir, args.quick, loop_levels, out / "logs",
+                                             "benchmarks.engine_loop", extra)
+        tok_s = {c: round(b["output_throughput"], 1) for c, b in data["engine_in_process"].items()}
+        print(f"[engine in process] {json.dumps(tok_s)} tok/s", flush=True)
     for i, name in enumerate(args.servers.split(",")):
         data["servers"][name] = run_server(name, model_dir, args.base_port + i, out, suite, maker,
-                                           args.parts.split(","))
+                                           args.parts.split(","), args.max_batch, warm)
         if name == "pomona" and data["bare_loop"] and OVERHEAD_CONCURRENCY in suite.concurrencies:
             # Bracket Pomona's run with a second bare run, so drift in the machine's load shows.
             data["bare_loop_after_pomona"] = run_bare(model_dir, args.quick, [OVERHEAD_CONCURRENCY],

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the device machine, after benchmarks/device_install.sh: the whole stack side by side.
+#
+#   bash benchmarks/device_http.sh probe,1b,smollm2     # any of them, in that order
+#
+# probe:   benchmarks/token_path.py (no model): Serve's token path, pacing off / 1000 / 2000 items/s.
+# 1b, smollm2: a random bf16 model of that shape (device_serve_model.py), then benchmarks/side_by_side.py:
+#          bare BatchGenerator loop, Pomona's engine in process, Pomona over HTTP (`ray start` with the
+#          apple_silicon resource + `serve run`), mlx_lm.server over HTTP; the full suite's random
+#          workload at 1, 8, 32, 128 concurrent, 128 decoding together everywhere, one untimed pass first.
+# Results: $OUT/token_path.json, $OUT/side-<model>.json, $OUT/logs-<model>.tgz (few files: $OUT takes 8).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+export RAY_memory_monitor_refresh_ms=0   # MemTotal starts small on these VMs and grows: no OOM killer
+OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
+mkdir -p .venv/bin && ln -sf /tmp/site/bin/ray .venv/bin/ray && ln -sf /tmp/site/bin/serve .venv/bin/serve
+cat REVISION 2>/dev/null
+nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv,noheader
+python3 -c "import ray, mlx.core as mx, mlx_lm, starlette; print('ray', ray.__version__, 'mlx', mx.__version__, mx.default_device(), 'mlx_lm', mlx_lm.__version__, 'starlette', starlette.__version__)"
+for what in ${1//,/ }; do
+  t0=$(date +%s)
+  case $what in
+    probe)
+      timeout "${PROBE_TIMEOUT:-240}" python3 -m benchmarks.token_path --pacing 0,1000,2000 --streams 1,8,32,128 \
+        --tokens 256 --num-cpus 16 --json "$OUTDIR/token_path.json" 2>&1 | grep -v "^INFO\|^(" ;;
+    1b|smollm2)
+      python3 -m benchmarks.device_serve_model "$what" "/tmp/models/$what" >/dev/null &&
+      timeout "${SIDE_TIMEOUT:-500}" python3 -m benchmarks.side_by_side --model "/tmp/models/$what" \
+        --servers "${SERVERS:-pomona,mlx_lm.server}" --parts sweep --concurrency 1,8,32,128 --engine \
+        --max-batch 128 --warm 1,8,32,128 --docs "" --out "/tmp/side-$what" 2>"/tmp/side-$what.stderr"
+      mv "/tmp/side-$what.stderr" "/tmp/side-$what/logs/" 2>/dev/null
+      cp "/tmp/side-$what/results.json" "$OUTDIR/side-$what.json"
+      tar -czf "$OUTDIR/logs-$what.tgz" -C "/tmp/side-$what" logs
+      python3 -m benchmarks.device_http_report "$OUTDIR/side-$what.json" ;;
+  esac
+  echo "[$what] $(( $(date +%s) - t0 )) s"
+done

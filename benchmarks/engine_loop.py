@@ -1,0 +1,125 @@
+"""Pomona's engine in process: the side-by-side suite's random workload through `AsyncEngine`, no Ray, no HTTP.
+
+The same prompts (chat template applied, first turns), the same closed loop as the HTTP client (at most
+`concurrency` requests in flight, a new one as soon as one ends), greedy, EOS ignored, and the engine
+settings of serve_config.yaml (`--max-running` overriding), so Pomona over HTTP / this is the cost
+of Ray Serve, the ingress and SSE alone.
+
+    python -m benchmarks.engine_loop MODEL_DIR --concurrency 1,8,32,128 [--quick] [--max-running 128]
+
+JSON on stdout (last line): {concurrency: {output_throughput, ttft_ms_p50, itl_ms_p50, ...}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+from benchmarks.client import percentile
+
+
+def engine_config(model_dir: str, max_running: int | None, ssd_dir: str) -> Any:
+    import yaml
+
+    from benchmarks.pomona_server import SERVE_CONFIG
+    from engine.config import EngineConfig
+
+    app = (yaml.safe_load(SERVE_CONFIG.read_text()).get("applications") or [{}])[0]
+    engine = dict((app.get("args") or {}).get("engine") or {})
+    engine["model"] = model_dir
+    if max_running:
+        engine["max_running"] = max_running
+    cache = dict(engine.get("cache") or {})
+    if cache.get("ssd_dir"):
+        cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/pomona_server.py)
+    engine["cache"] = cache
+    return EngineConfig.from_dict(engine)
+
+
+async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) -> tuple[int, float, list[float]]:
+    from engine.types import Request, SamplingParams
+
+    req = Request(tuple(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                  request_id=rid)
+    t0 = time.perf_counter()
+    first = last = None
+    count, gaps = 0, []
+    async for batch in engine.stream(req):
+        now = time.perf_counter()
+        n = sum(1 for e in batch if e.token_id is not None)
+        if any(e.error for e in batch):
+            raise RuntimeError(f"request failed in the engine: {batch[-1].error}")
+        if n and first is None:
+            first = now
+        elif n:
+            gaps.append(now - last)  # per batch, as the HTTP client sees chunks
+        if n:
+            last = now
+        count += n
+    return count, (first or time.perf_counter()) - t0, gaps
+
+
+async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
+                      concurrency: int, tag: str) -> dict[str, Any]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(i: int, p: Sequence[int]) -> tuple[int, float, list[float]]:
+        async with sem:
+            return await _one(engine, p, max_tokens, f"{tag}-{i}")
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+    duration = time.perf_counter() - t0
+    tokens = sum(r[0] for r in results)
+    gaps = [g for r in results for g in r[2]]
+    return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens, "duration_s": duration,
+            "output_throughput": tokens / duration, "ttft_ms_p50": percentile([r[1] for r in results], 50) * 1000,
+            "itl_ms_p50": percentile(gaps, 50) * 1000 if gaps else None}
+
+
+def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None) -> dict[str, Any]:
+    from benchmarks.bare_loop import chat_prompts
+    from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite, quick_suite
+    from engine.loop import AsyncEngine
+
+    suite = quick_suite() if quick else full_suite()
+    maker = TextMaker(model_dir)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as ssd:
+        engine = AsyncEngine(engine_config(model_dir, max_running, ssd))
+
+        async def main() -> None:
+            await engine.wait_ready()
+            warm = chat_prompts(engine.tokenizer, [[{"role": "user", "content": "warm up"}]] * 2)
+            await closed_loop(engine, warm, 4, 2, "warm")
+            for c in concurrencies:
+                convs = build(suite.sweep_spec(c), maker)
+                prompts = chat_prompts(engine.tokenizer, [first_turn_messages(conv) for conv in convs])
+                out[str(c)] = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}")
+            await engine.shutdown(drain_s=0)
+
+        asyncio.run(main())
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--concurrency", default="1,8,16,32")
+    p.add_argument("--max-running", type=int, default=None)
+    args = p.parse_args(argv)
+    result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running)
+    print(json.dumps(result), flush=True)
+    # MLX's CUDA backend can abort at interpreter exit once a second thread used it (docs/accelerators.md).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
