@@ -252,9 +252,10 @@ class OpenAIServer:
         return oa.decode_body(await read_body(request, self.settings.limits.max_body_bytes))
 
     def check_model(self, name: str) -> None:
-        if name not in (self.model_name, self.settings.model):
+        if name not in (self.model_name, self.settings.model) and not self.settings.is_alias(name):
             raise not_found(f"The model {name!r} does not exist here; this server serves "
-                            f"{self.model_name!r} (GET /v1/models).", param="model", code="model_not_found")
+                            f"{self.model_name!r} (GET /v1/models; other names need the 'model_aliases' "
+                            "setting).", param="model", code="model_not_found")
 
     async def first(self, stream: AsyncIterator[Any]) -> list[Any]:
         return await _first(stream)

@@ -7,6 +7,7 @@ app builder adds to the LLM server's runtime environment on Linux.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 from dataclasses import dataclass, fields
@@ -83,6 +84,9 @@ class AppSettings:
     stream_items_per_s: float = 1000.0
     responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (deployments/response_store.py)
     tool_parser: str | None = None  # an mlx_lm.tool_parsers module name; None: the model's own, else the fallback
+    # Other names clients may send as `model` for the served model: exact names or fnmatch patterns
+    # ("claude-*"); agent clients send their vendor's model names and cannot all be told another.
+    model_aliases: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "AppSettings":
@@ -101,7 +105,15 @@ class AppSettings:
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
             raise ValueError("api_keys must be a list of non-empty strings")
         values["api_keys"] = tuple(keys)
+        aliases = values.get("model_aliases") or ()
+        if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError("model_aliases must be a list of non-empty strings (names or patterns like 'claude-*')")
+        values["model_aliases"] = tuple(aliases)
         return cls(model=model, **values)
+
+    def is_alias(self, name: str) -> bool:
+        """Whether `name` is one of `model_aliases` (case-sensitive, `*` `?` `[...]` as in fnmatch)."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.model_aliases)
 
     def served_name(self) -> str:
         if self.served_model_name:
