@@ -73,6 +73,16 @@ def test_streamed_tool_call_over_http(base):
 
 
 @pytest.mark.real_model
+def test_default_model_answers_over_http(base):
+    """The real default model served by Pomona end to end (Serve, HTTP, the official client)."""
+    client = client_for(f"{base}/smol")
+    out = client.chat.completions.create(model="smol", temperature=0, max_tokens=30,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "paris" in out.choices[0].message.content.lower(), out
+    assert out.choices[0].finish_reason == "stop" and out.model == "smol"
+
+
+@pytest.mark.real_model
 def test_default_model_tool_loop_through_the_fallback(base):
     client = client_for(f"{base}/smol")
     first, call, final = loop(client, "smol", '{"temp_c": 21, "sky": "sunny"}')
