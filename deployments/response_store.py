@@ -1,8 +1,10 @@
 """Stored responses for `store` / `previous_response_id` on /v1/responses: a bounded diskcache.
 
-What is kept per response id: the response object as it was returned, and the conversation so far
+What is kept per response id: the response object as it was returned, the conversation so far
 (the predecessors' messages, this turn's input messages and this turn's output as an assistant
-message; never the `instructions`, which OpenAI does not carry over). A follow-up naming
+message; never the `instructions`, which OpenAI does not carry over), and the input items in
+OpenAI's item shapes for `GET /v1/responses/{id}/input_items` (the predecessors' input and output
+items, then this turn's input, as OpenAI lists a chained response's context). A follow-up naming
 `previous_response_id` starts from those messages, so its prompt begins with the earlier prompt
 plus the earlier answer and the engine's prefix cache serves that part.
 
@@ -81,6 +83,7 @@ class ResponseStoreSettings:
 class StoredResponse:
     response: dict[str, Any]
     messages: tuple[Message, ...]
+    input_items: tuple[dict[str, Any], ...] = ()  # rows stored before input_items was kept: none
 
 
 def message_json(m: Message) -> dict[str, Any]:
@@ -96,7 +99,8 @@ def message_from_json(d: Mapping[str, Any]) -> Message:
 
 
 def encode(stored: StoredResponse) -> bytes:
-    body = {"format": FORMAT, "response": stored.response, "messages": [message_json(m) for m in stored.messages]}
+    body = {"format": FORMAT, "response": stored.response, "messages": [message_json(m) for m in stored.messages],
+            "input_items": list(stored.input_items)}
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -104,7 +108,10 @@ def decode(raw: bytes) -> StoredResponse:
     body = json.loads(raw.decode("utf-8"))
     if body.get("format") != FORMAT:
         raise ValueError(f"stored format {body.get('format')!r}, expected {FORMAT}")
-    return StoredResponse(body["response"], tuple(message_from_json(m) for m in body["messages"]))
+    items = body.get("input_items", [])
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ValueError("stored input_items is not a list of objects")
+    return StoredResponse(body["response"], tuple(message_from_json(m) for m in body["messages"]), tuple(items))
 
 
 class ResponseStore:

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}`.
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}`,
+`GET /v1/responses/{response_id}/input_items`.
 
 Parsing is deployments/responses_parse.py, the response object and its events
 deployments/responses_render.py, the store deployments/response_store.py (its settings and
@@ -29,11 +30,13 @@ from deployments.errors import ApiError, invalid, not_found, server_error
 from deployments.generation import Run, merged
 from deployments.response_store import ResponseStore, StoredResponse
 from deployments.responses_parse import ParsedResponse, parse_responses, store_fields
-from deployments.responses_render import EventWriter, output_items, response_object, status_of
+from deployments.responses_render import EventWriter, input_items, item_page, output_items, response_object, status_of
 
 log = logging.getLogger("pomona.responses")
 ROUTE = "/v1/responses"
 ITEM_ROUTE = "/v1/responses/{response_id}"
+INPUT_ITEMS_ROUTE = "/v1/responses/{response_id}/input_items"
+MAX_PAGE = 100
 
 
 def error_response(err: ApiError) -> Response:
@@ -69,8 +72,12 @@ class Responses:
 
     id_prefix = "resp_"
 
-    def __init__(self, server: Any, store: "Store", history: tuple[Message, ...]) -> None:
-        self.server, self.store, self.history = server, store, history
+    def __init__(self, server: Any, store: "Store", previous: StoredResponse | None) -> None:
+        self.server, self.store = server, store
+        self.history = previous.messages if previous is not None else ()
+        # The predecessor's context as items: its own input items, then what it answered.
+        self.history_items = (list(previous.input_items) + list(previous.response.get("output") or [])
+                              if previous is not None else [])
         self.parsed: ParsedResponse | None = None
         self.answer: tuple[dict[str, Any], Completion] | None = None  # a whole answer, stored by the route
 
@@ -122,7 +129,8 @@ class Responses:
         """Store the response and the conversation so far; False (not stored) if the store fails."""
         assert self.parsed is not None
         messages = self.parsed.history + self.parsed.turn + (answer_message(c),)
-        return await self.store.put(obj["id"], StoredResponse({**obj, "store": True}, messages))
+        items = tuple(self.history_items + input_items(self.parsed.turn))
+        return await self.store.put(obj["id"], StoredResponse({**obj, "store": True}, messages, items))
 
 
 class Store:
@@ -165,7 +173,7 @@ class ResponseRoutes:
     def __init__(self, server: Any) -> None:
         self.server, self.store = server, Store(server)
 
-    async def _history(self, previous: str) -> tuple[Message, ...]:
+    async def _history(self, previous: str) -> StoredResponse:
         if not self.store.enabled:
             raise invalid("This server does not store responses (responses.enabled is false), so "
                           "'previous_response_id' cannot be used; send the whole conversation as 'input'.",
@@ -173,14 +181,14 @@ class ResponseRoutes:
         stored = await self.store.get(previous)
         if stored is None:
             raise _not_stored(previous, "previous_response_id", "previous_response_not_found")
-        return stored.messages
+        return stored
 
     async def create(self, request: Request) -> Response:
         server = self.server
         try:
             body = await server.read_json(request)
             _, previous = store_fields(body)
-            history = await self._history(previous) if previous is not None else ()
+            history = await self._history(previous) if previous is not None else None
         except ApiError as err:
             server.metrics.count(ROUTE, err.status)
             return error_response(err)
@@ -212,6 +220,25 @@ class ResponseRoutes:
         self.server.metrics.count(ITEM_ROUTE, err.status)
         return error_response(err)
 
+    async def input_items(self, request: Request) -> Response:
+        """OpenAI's list of a stored response's input items: `limit` (1-100, default 20), `order`
+        ("desc", the default, or "asc"), `after` (an item id, for the next page)."""
+        rid, query = request.path_params["response_id"], request.query_params
+        try:
+            limit, order, after = _page_query(query.get("limit", "20"), query.get("order", "desc"), query.get("after"))
+            stored = await self.store.get(rid)
+            if stored is None:
+                raise _not_stored(rid, "response_id", "response_not_found")
+            page = item_page(list(stored.input_items), limit, order, after)
+            if page is None:
+                raise invalid(f"'after' names no input item of {rid}; send the last_id of the page before.",
+                              param="after")
+        except ApiError as err:
+            self.server.metrics.count(INPUT_ITEMS_ROUTE, err.status)
+            return error_response(err)
+        self.server.metrics.count(INPUT_ITEMS_ROUTE, 200)
+        return JSONResponse(page)
+
     async def delete(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
         try:
@@ -229,4 +256,16 @@ def routes(server: Any) -> list[Route]:
     r = ResponseRoutes(server)
     return [Route(ROUTE, r.create, methods=["POST"]),
             Route(ITEM_ROUTE, r.retrieve, methods=["GET"]),
-            Route(ITEM_ROUTE, r.delete, methods=["DELETE"])]
+            Route(ITEM_ROUTE, r.delete, methods=["DELETE"]),
+            Route(INPUT_ITEMS_ROUTE, r.input_items, methods=["GET"])]
+
+
+def _page_query(limit: str, order: str, after: str | None) -> tuple[int, str, str | None]:
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        raise invalid(f"'limit' must be an integer from 1 to {MAX_PAGE}, got {limit!r}.", param="limit")
+    if order not in ("asc", "desc"):
+        raise invalid(f"'order' must be \"asc\" or \"desc\", got {order!r}.", param="order")
+    if after is not None and not after:
+        raise invalid("'after' is empty; send an item id (the last_id of the page before) or leave it out.",
+                      param="after")
+    return int(limit), order, after

@@ -17,7 +17,7 @@ import json
 import uuid
 from typing import Any
 
-from deployments.conversation import (Completion, OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta,
+from deployments.conversation import (Completion, Message, OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta,
                                       ToolCallEnd, ToolCallStart, Usage)
 from deployments.errors import ApiError
 
@@ -74,6 +74,40 @@ def output_items(c: Completion) -> list[dict[str, Any]]:
         items.append(message_item(c.text, item_status))
     items += [call_item(call.id, call.name, call.arguments, "completed") for call in c.tool_calls]
     return items
+
+
+def input_items(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """A turn's input messages as OpenAI's input items, for `GET /v1/responses/{id}/input_items`:
+    user / system turns as input messages, an assistant turn as its reasoning, message and
+    function_call items, a tool result as a function_call_output item."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "tool":
+            items.append({"id": new_id("fco"), "type": "function_call_output", "call_id": m.tool_call_id,
+                          "output": m.content, "status": "completed"})
+        elif m.role != "assistant":
+            items.append({"id": new_id("msg"), "type": "message", "role": m.role, "status": "completed",
+                          "content": [{"type": "input_text", "text": m.content}]})
+        else:
+            items += [reasoning_item(m.reasoning, "completed")] if m.reasoning else []
+            items += [message_item(m.content, "completed")] if m.content or not m.tool_calls else []
+            items += [call_item(c.id, c.name, c.arguments, "completed") for c in m.tool_calls]
+    return items
+
+
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any] | None:
+    """One page of `items` in OpenAI's list shape (`order` "asc" or "desc", `after` an item id);
+    None when `after` names no item."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [i.get("id") for i in ordered]
+        if after not in ids:
+            return None
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(ordered)}
 
 
 class EventWriter:
