@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deployments.conversation import Completion, Conversation
-from deployments.errors import ApiError
+from deployments.errors import ApiError, with_request_id
 from deployments.generation import Pipeline, Prepared, Run, close_all, start_all
 from deployments.streaming import SSEResponse
 
@@ -49,14 +49,14 @@ async def respond(request: Request, dialect: Dialect, pipeline: Pipeline,
                   read_json: Callable[[Request], Awaitable[dict[str, Any]]],
                   served_name: str) -> Response:
     route, metrics = request.url.path, pipeline.host.metrics
+    rid = f"{dialect.id_prefix}{uuid.uuid4().hex}"
     try:
         conv = dialect.parse(await read_json(request))
         prepared = await pipeline.prepare(conv)
-        rid = f"{dialect.id_prefix}{uuid.uuid4().hex}"
         runs = await start_all(pipeline, prepared, rid, conv.n)
     except ApiError as err:
         metrics.count(route, err.status)
-        return dialect.error(err)
+        return dialect.error(with_request_id(err, rid))  # a 5xx names the id the model server logged
     ctx = Context(rid, int(time.time()), served_name, prepared)
     if conv.stream:
         metrics.count(route, 200)  # a stream's status goes out before its body
@@ -67,7 +67,7 @@ async def respond(request: Request, dialect: Dialect, pipeline: Pipeline,
         completions = await asyncio.gather(*(run.drain() for run in runs))
     except ApiError as err:
         metrics.count(route, err.status)
-        return dialect.error(err)
+        return dialect.error(with_request_id(err, rid))
     finally:
         await close_all(runs)
     metrics.count(route, 200)

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from engine.config import EngineConfig
-from engine.types import (ContextLengthError, EngineClosedError, OverloadedError, Request, SamplingParams,
-                          TokenEvent)
+from engine.types import (ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError, Request,
+                          SamplingParams, TokenEvent)
 
 log = logging.getLogger("pomona.llm_server")
 
@@ -162,7 +162,9 @@ class EngineHost:
         try:
             try:
                 first = await batches.__anext__()
-            except (OverloadedError, ContextLengthError, EngineClosedError, ValueError) as exc:
+            except (OverloadedError, ContextLengthError, EngineClosedError, InvalidRequestError) as exc:
+                # Only the engine's refusals are the client's; any other exception is ours and
+                # propagates (the ingress answers 500, never a 400 for our own fault).
                 yield rejection(exc)
                 return
             sent = time.monotonic()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger("pomona.ingress")
 
 
 class ApiError(Exception):
@@ -88,6 +91,17 @@ def internal_fault(request_id: str) -> ApiError:
                          "persists, report the request id: the server log has the error under it.",
                     "server_error", None, "internal_error",
                     (("x-request-id", request_id), ("request-id", request_id)), request_id)
+
+
+def with_request_id(err: ApiError, request_id: str) -> ApiError:
+    """A 5xx from the model server (a failed step, a replica error), tagged with the request's id and
+    logged under it here (the engine logs its faults under the same id), as `internal_fault` tags the
+    ingress's own faults. Client errors (4xx) come back unchanged."""
+    if err.status < 500 or err.request_id:
+        return err
+    log.warning("request %s answered %d %s: %s", request_id, err.status, err.code, err.message)
+    return ApiError(err.status, f"{err.message} (request id {request_id})", err.type, err.param, err.code,
+                    err.headers + (("x-request-id", request_id), ("request-id", request_id)), request_id)
 
 
 def timed_out(message: str) -> ApiError:

@@ -32,7 +32,7 @@ from deployments.admin import AdminRoutes
 from deployments.dialect import respond
 from deployments.engine_host import sampling_to_wire
 from deployments.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
-                                 too_large, unauthorized, unavailable)
+                                 too_large, unauthorized, unavailable, with_request_id)
 from deployments.generation import Pipeline
 from deployments.metrics import IngressMetrics
 from deployments.openai_chat import OpenAIChat
@@ -293,19 +293,19 @@ class OpenAIServer:
     async def _generate(self, request: Request) -> Response:
         route, started = request.url.path, time.monotonic()
         stream: AsyncIterator[Any] | None = None
+        rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             parsed = self._parse(await read_body(request, self.settings.limits.max_body_bytes))
             ready = self.require_ready()
             tokens = await self._tokens(parsed, ready)
             params = self._params(parsed, len(tokens), ready)
-            rid = f"cmpl-{uuid.uuid4().hex}"
             stream = self.backend.stream(tokens, params, rid)
             first = await _first(stream)
         except ApiError as err:
             if stream is not None:
                 await stream.aclose()  # type: ignore[attr-defined]
             self.metrics.count(route, err.status)
-            return error_response(err)
+            return error_response(with_request_id(err, rid))
         self.metrics.in_flight += 1
         tracker = Tracker(self.metrics, started)
         shape = _Shape(rid, int(time.time()), self.model_name, parsed, oa.LogprobFormatter(_decoder(ready)))
@@ -316,7 +316,7 @@ class OpenAIServer:
             await collect(first, stream, tracker)
         except ApiError as err:
             self.metrics.count(route, err.status)
-            return error_response(err)
+            return error_response(with_request_id(err, rid))
         finally:
             await self._closer(stream, tracker)()
         self.metrics.count(route, 200)

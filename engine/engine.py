@@ -314,14 +314,17 @@ class Engine:
 
     def _recover(self, exc: Exception) -> list[TokenEvent]:
         """A step failed: fail the requests in the batch, rebuild the batch, keep the queue."""
-        log.exception("engine step failed; failing the running batch and rebuilding it")
+        failed = self.runner.reset()
+        # The ids are the ones the ingress puts in its 5xx answers: a user's report finds this line.
+        log.exception("engine step failed; failing the running batch (requests %s) and rebuilding it",
+                      ", ".join(failed) or "none")
         self.stats.faults += 1
         # An exception inside an mx.compile'd function (mlx-lm's samplers are compiled with the
         # global random state as an input) can leave a tracer in that state, which breaks every
         # later compiled sample; reseeding restores a real one.
         mx.random.seed(time.time_ns() % 2**32)
         events = []
-        for request_id in self.runner.reset():
+        for request_id in failed:
             seq = self.seqs.get(request_id)
             if seq is not None:
                 events.append(self._final(seq, FinishReason.ERROR, "", error=(

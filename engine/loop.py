@@ -22,8 +22,8 @@ from engine.config import EngineConfig
 from engine.constraints import build_constraint
 from engine.engine import Engine
 from engine.text import ConsumerText, text_in_engine
-from engine.types import (ContextLengthError, EngineClosedError, FinishReason, Request, SamplingParams,
-                          TokenEvent)
+from engine.types import (ContextLengthError, EngineClosedError, FinishReason, InvalidRequestError, Request,
+                          SamplingParams, TokenEvent)
 
 log = logging.getLogger("pomona.engine")
 
@@ -115,14 +115,14 @@ class AsyncEngine:
                 f"needs {need} ({len(request.prompt_tokens)} in the prompt + {request.params.max_tokens} "
                 "for the completion). Shorten the prompt or lower max_tokens.")
         if request.params.max_tokens > self.config.max_tokens_limit:
-            raise ValueError(f"max_tokens must be at most {self.config.max_tokens_limit} on this server")
+            raise InvalidRequestError(f"max_tokens must be at most {self.config.max_tokens_limit} on this server")
 
     async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
         """Events in batches: everything available whenever the consumer asks (no added delay).
 
         Raises before the first batch if the request is refused (overload, context length, an
-        invalid grammar: ValueError). Leaving the iteration early (a client disconnect) aborts the
-        request in the engine.
+        invalid grammar: InvalidRequestError). Leaving the iteration early (a client disconnect)
+        aborts the request in the engine.
         """
         self.check(request)
         if request.params.grammar is not None and request.constraint is None:
@@ -157,8 +157,11 @@ class AsyncEngine:
     async def _constrain(self, request: Request) -> Request:
         """Compile the request's grammar in a worker thread, so the MLX thread never waits for it."""
         await asyncio.wrap_future(self._ready)  # the tokenizer arrives with the model
-        constraint = await asyncio.to_thread(build_constraint, self.tokenizer, request.params.grammar,
-                                             request.prompt_tokens)
+        try:
+            constraint = await asyncio.to_thread(build_constraint, self.tokenizer, request.params.grammar,
+                                                 request.prompt_tokens)
+        except ValueError as exc:  # llguidance refused the grammar (or this tokenizer): the request's
+            raise InvalidRequestError(str(exc)) from exc
         return replace(request, constraint=constraint)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:

@@ -36,6 +36,13 @@ class ContextLengthError(EngineError, ValueError):
     code = "context_length_exceeded"
 
 
+class InvalidRequestError(EngineError, ValueError):
+    """The request asks for what this engine cannot do (above a limit, a grammar that does not
+    compile): the caller's to change. Any other exception from the engine is the server's fault."""
+
+    code = "invalid_request"
+
+
 class EngineClosedError(EngineError):
     """The engine is shutting down or has stopped; no new requests are taken."""
 

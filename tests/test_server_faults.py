@@ -153,3 +153,69 @@ def test_metrics_say_when_the_engine_stats_are_gone_and_log_it_once(caplog):
     assert "pomona_engine_up 1" in back and "pomona_engine_running 0" in back
     assert caplog.text.count("stats are unavailable (RuntimeError: replica unreachable)") == 1
     assert caplog.text.count("stats are back") == 1
+
+
+def test_only_the_engines_refusals_are_rejections(tiny_model_dir):
+    """EngineHost turns the engine's refusals (a limit, a grammar that does not compile) into the
+    client's 4xx; any other exception before the first token (here a request id used twice, which
+    only a bug of ours can cause) propagates, for the ingress to answer 500."""
+    from deployments.engine_host import EngineHost, sampling_to_wire
+    from engine.types import SamplingParams
+    from engine_helpers import make_engine
+
+    engine = make_engine(tiny_model_dir, max_tokens_limit=64)
+    host = EngineHost(engine.config, engine_factory=lambda _: engine)
+
+    def params(**kw: Any) -> dict[str, Any]:
+        return sampling_to_wire(SamplingParams(**{"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **kw}))
+
+    async def items(rid: str, **kw: Any) -> list[Any]:
+        return [item async for item in host.stream([1, 2, 3, 4], params(**kw), rid)]
+
+    async def main() -> tuple[list[Any], list[Any], BaseException | None]:
+        limit = await items("over-the-limit", max_tokens=65)
+        grammar = await items("bad-grammar", grammar="%%% not a grammar")
+        running = host.stream([1, 2, 3, 4], params(max_tokens=64), "twice")
+        await running.__anext__()
+        try:
+            await items("twice")
+        except ValueError as exc:
+            return limit, grammar, exc
+        finally:
+            await running.aclose()
+        return limit, grammar, None
+    try:
+        limit, grammar, dup = asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown(drain_s=0))
+    assert limit == [{"rejected": {"kind": "invalid", "message": "max_tokens must be at most 64 on this server",
+                                   "retry_after_s": 0.0}}]
+    assert grammar[0]["rejected"]["kind"] == "invalid" and len(grammar) == 1
+    assert dup is not None and "already in use" in str(dup)  # not dressed as the client's "invalid"
+
+
+def test_an_engine_fault_is_a_500_under_the_id_the_engine_logged(tiny_model_dir, caplog):
+    from engine_helpers import FaultyModel
+
+    models: list[FaultyModel] = []
+
+    def wrap(model: Any) -> FaultyModel:
+        models.append(FaultyModel(model))
+        return models[-1]
+
+    async def main():
+        async with in_process(tiny_model_dir, wrap=wrap) as http:
+            out = {}
+            for route, body in (("/v1/chat/completions", ROUTES["/v1/chat/completions"]),
+                                ("/v1/completions", ROUTES["/v1/completions"]), ("/v1/messages", ROUTES["/v1/messages"])):
+                models[0].armed = True  # the next forward pass raises
+                out[route] = await http.post(route, json={**body, "max_tokens": 4})
+            return out
+    with caplog.at_level(logging.WARNING):
+        answers = asyncio.run(main())
+    for route, r in answers.items():
+        assert r.status_code == 500, (route, r.text)
+        rid = r.headers["x-request-id"]
+        assert rid in r.text and rid.startswith(("chatcmpl-", "cmpl-", "msg_")), r.text
+        engine_lines = [rec for rec in caplog.records if rec.name == "pomona.engine" and rid in rec.getMessage()]
+        assert engine_lines and engine_lines[0].exc_info is not None, (route, caplog.text[-2000:])
