@@ -2,14 +2,19 @@
 
 Apps on one cluster: "/load" (4 running + 8 queued = capacity 12), "/stages" (one slot, 8-token
 prefill chunks, so a request can be caught queued, prefilling or decoding) and "/timeout"
-(engine.request_timeout_s = 1 s). The replica-kill test runs last: it restarts "/load"'s replica.
+(engine.request_timeout_s = 1 s); "/none" is added for one test: its model server can never be
+placed. The replica-kill test runs last: it restarts "/load"'s replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
 import signal
+import threading
+import time
 
 import httpx
 import openai
@@ -17,11 +22,12 @@ import psutil
 import pytest
 
 from e2e_helpers import metric, tiny_args, wait_healthy
-from reliability_helpers import admin, live_requests, own_cluster, token_prompt, wait_for, wait_idle
+from reliability_helpers import admin, deploy, live_requests, own_cluster, token_prompt, undeploy, wait_for, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 RUNNING, WAITING = 4, 8
-WAVES, PER_WAVE, MAX_TOKENS = 3, 60, 24  # 5x capacity per wave
+WAVES, PER_WAVE, MAX_TOKENS = 3, 48, 24  # 4x capacity per wave
+SOAK_S, SOAK_CLIENTS = 60.0, 8
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +47,8 @@ def replica_rss(app: str) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
-    """(HTTP status, completion tokens) of one request; half stream, half do not."""
+async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+    """(HTTP status, completion tokens, Retry-After) of one request; half stream, half do not."""
     kw = dict(model="tiny", prompt=f"Request {i}: tell a story", max_tokens=MAX_TOKENS, temperature=0.7,
               seed=i, extra_body={"ignore_eos": True})
     try:
@@ -50,32 +56,33 @@ async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
             chunks = [c async for c in await client.completions.create(
                 stream=True, stream_options={"include_usage": True}, **kw)]
             assert chunks[-1].usage is not None, "a stream ended without its usage chunk"
-            return 200, chunks[-1].usage.completion_tokens
+            return 200, chunks[-1].usage.completion_tokens, None
         out = await client.completions.create(**kw)
-        return 200, out.usage.completion_tokens
+        return 200, out.usage.completion_tokens, None
     except openai.APIStatusError as exc:
-        return exc.status_code, 0
+        return exc.status_code, 0, exc.response.headers.get("retry-after")
 
 
-async def wave(app: str, n: int, start: int) -> list[tuple[int, int]]:
+async def wave(app: str, n: int, start: int) -> list[tuple[int, int, str | None]]:
     async with openai.AsyncOpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0, timeout=120) as client:
         return await asyncio.gather(*(one(client, start + i) for i in range(n)))
 
 
-def test_load_at_five_times_capacity(base):
+def test_load_at_four_times_capacity(base):
     app = f"{base}/load"
     rss, results = [], []
     for w in range(WAVES):
         results += asyncio.run(wave(app, PER_WAVE, w * PER_WAVE))
         wait_idle(app)
         rss.append(replica_rss(app))
-    codes = [code for code, _ in results]
-    accepted = [tokens for code, tokens in results if code == 200]
+    codes = [code for code, _, _ in results]
+    accepted = [tokens for code, tokens, _ in results if code == 200]
     print(f"load: {len(results)} requests in {WAVES} waves of {PER_WAVE} against capacity "
-          f"{RUNNING + WAITING}: {len(accepted)} completed, {codes.count(429)} got 429, "
-          f"{codes.count(503)} got 503; replica RSS after each wave (MiB): {[r // 2**20 for r in rss]}")
-    assert set(codes) <= {200, 429, 503}, sorted(set(codes))
+          f"{RUNNING + WAITING}: {len(accepted)} completed, {codes.count(429)} got 429; "
+          f"replica RSS after each wave (MiB): {[r // 2**20 for r in rss]}")
+    assert set(codes) <= {200, 429}, sorted(set(codes))  # refused for load, never a 5xx
     assert codes.count(429) > 0 and len(accepted) >= WAVES * (RUNNING + WAITING)
+    assert all(int(after) >= 1 for code, _, after in results if code == 429), "a 429 without Retry-After"
     assert all(tokens == MAX_TOKENS for tokens in accepted), "an accepted request did not complete"
     assert rss[-1] - rss[0] < 200 * 2**20, "replica memory kept growing from wave to wave"
     assert httpx.get(f"{app}/health").status_code == 200 and live_requests(app) == []
@@ -138,6 +145,92 @@ def test_disconnect_at_each_stage_frees_the_slot(base, phase):
     assert aborted(app) == expected
     ok = httpx.post(f"{app}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def _deploy_unplaceable(tiny_model_dir) -> None:
+    """serve.run waits for a model server that never comes: on a thread, ended with the app."""
+    args = tiny_args(tiny_model_dir, llm_server={"num_cpus": 0.5, "resources": {"pomona_no_such_node": 1}})
+    with contextlib.suppress(Exception):
+        deploy("/none", args)
+
+
+def test_503_with_retry_after_while_no_replica_can_serve(base, tiny_model_dir):
+    """Real Serve, real handle: the ingress is up, its model server replica can never be placed."""
+    threading.Thread(target=_deploy_unplaceable, args=(tiny_model_dir,), daemon=True).start()
+    app = f"{base}/none"
+    try:
+        wait_for(lambda: httpx.get(f"{app}/health", timeout=10).status_code == 503, 120, 0.5)
+        chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for route, body in (("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                            ("/v1/chat/completions", chat), ("/v1/messages", chat),
+                            ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2})):
+            r = httpx.post(f"{app}{route}", json=body, timeout=30)
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, (route, r.text)
+            kind = r.json()["error"]["type"]
+            assert kind == ("overloaded_error" if route == "/v1/messages" else "service_unavailable"), r.text
+        with pytest.raises(openai.APIStatusError) as caught:  # what an SDK user sees
+            openai.OpenAI(base_url=f"{app}/v1", api_key="x", max_retries=0).completions.create(
+                model="tiny", prompt="hi", max_tokens=2)
+        assert caught.value.status_code == 503
+        assert metric(app, "pomona_engine_up") == 0 and metric(app, "pomona_engine_stats_errors_total") >= 1
+    finally:
+        undeploy("/none")
+
+
+async def soak_client(app: str, rng: random.Random, deadline: float) -> list[str]:
+    """Requests until `deadline`, each left at a random point (or read to its end); what happened."""
+    seen: list[str] = []
+    async with httpx.AsyncClient(base_url=app, timeout=120) as http:
+        while time.monotonic() < deadline:
+            body = {"model": "tiny", "prompt": f"soak {rng.random()}", "max_tokens": rng.randint(4, 48),
+                    "ignore_eos": True, "stream": rng.random() < 0.75}
+            leave_after = rng.choice([0, 1, 2, 4, 8, None])  # SSE lines read before leaving; None: all
+            if not body["stream"]:
+                try:
+                    r = await asyncio.wait_for(http.post("/v1/completions", json=body), rng.uniform(0.01, 1.0))
+                    seen.append(str(r.status_code))
+                except asyncio.TimeoutError:
+                    seen.append("left")
+                continue
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    seen.append(str(resp.status_code))
+                    continue
+                lines = 0
+                async for line in resp.aiter_lines():
+                    lines += bool(line)
+                    if leave_after is not None and lines > leave_after:
+                        break
+                seen.append("left" if leave_after is not None and lines > leave_after else "200")
+    return seen
+
+
+async def soak(app: str, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    rngs = [random.Random(seed) for seed in range(SOAK_CLIENTS)]
+    return [s for client in await asyncio.gather(*(soak_client(app, r, deadline) for r in rngs)) for s in client]
+
+
+def test_soak_with_random_disconnects_returns_to_idle_and_memory_stays_flat(base):
+    app = f"{base}/load"
+    asyncio.run(soak(app, 10))  # warm-up: allocator, caches and pools reach their working size
+    wait_idle(app)
+    admin(app, "cache/clear", method="POST")
+    before, disconnects = replica_rss(app), metric(app, "pomona_client_disconnects_total")
+    seen = asyncio.run(soak(app, SOAK_S))
+    wait_idle(app)  # every running and queued request ended: the engine's slots are all free
+    admin(app, "cache/clear", method="POST")
+    after = replica_rss(app)
+    print(f"soak: {len(seen)} requests in {SOAK_S:.0f} s from {SOAK_CLIENTS} clients: "
+          f"{seen.count('200')} read to the end, {seen.count('left')} left early, {seen.count('429')} got 429; "
+          f"replica RSS {before // 2**20} -> {after // 2**20} MiB")
+    assert set(seen) <= {"200", "left", "429"}, sorted(set(seen))
+    assert seen.count("left") > 0 and seen.count("200") > 0
+    assert metric(app, "pomona_requests_in_flight") == 0 and metric(app, "pomona_engine_running") == 0
+    assert metric(app, "pomona_client_disconnects_total") > disconnects
+    assert after - before < 150 * 2**20, "replica memory grew over the soak"
+    ok = httpx.post(f"{app}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and httpx.get(f"{app}/health").status_code == 200
 
 
 def test_replica_killed_mid_stream(base):
