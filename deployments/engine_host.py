@@ -258,4 +258,4 @@ def load_tokenizer(model: str) -> Any:
         from mlx_lm.utils import load_tokenizer as load
 
         return load(Path(os.path.expanduser(model)))
-    return load(resolve_model(model))
+    return load(resolve_model(model, weights=False))  # a hub model: its tokenizer files only

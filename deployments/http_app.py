@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployments import anthropic_api, openai_types as oa, responses_api
+from deployments import anthropic_api, model_status, openai_types as oa, responses_api
 from deployments.admin import AdminRoutes
 from deployments.dialect import respond
 from deployments.engine_host import sampling_to_wire
@@ -185,6 +185,7 @@ class OpenAIServer:
                   Route("/metrics", self.metrics_route, methods=["GET"]),
                   openapi_route(self.settings.limits, self.settings.engine.max_tokens_limit, self.model_name)]
         routes += anthropic_api.routes(self) + responses_api.routes(self)
+        routes.append(model_status.admin_route(self.backend, (self.model_name,)))
         routes += AdminRoutes(self.backend, self.settings.llm_server.num_replicas, self.metrics).routes()  # type: ignore[arg-type]
         app = Starlette(routes=routes, lifespan=self._lifespan,
                         exception_handlers={HTTPException: self._http_error, Exception: self._crash})
@@ -221,8 +222,10 @@ class OpenAIServer:
         return error_response(internal_fault(rid), request.url.path)
 
     async def health(self, request: Request) -> Response:
-        if self.ready is None:
-            return error_response(unavailable("not ready: no model server replica can serve yet"))
+        if self.ready is None:  # say what the replicas are doing: downloading (bytes), loading, failed
+            entries = await model_status.phases(self.backend, (self.model_name,))
+            err = unavailable("not ready: " + (model_status.describe(entries) or "no model server replica can serve yet"))
+            return JSONResponse({**body_for("", err), "models": entries}, status_code=err.status, headers=dict(err.headers))
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def models(self, request: Request) -> Response:

@@ -68,6 +68,12 @@ class HandleBackend:
     async def stats(self) -> dict[str, Any]:
         return await self._handle.stats.remote()
 
+    async def model_status(self) -> list[dict[str, Any]]:
+        """Every replica's model phase (downloading, loading, ...) from deployments/model_status.py's board."""
+        from deployments.model_status import read_board
+
+        return await read_board()
+
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
         """One replica's status or cache administration (deployments/admin.py fans out)."""
         try:

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.engine_host import EngineHost, StreamPacing
+from deployments.model_status import ModelStatus
 from deployments.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
@@ -33,8 +34,17 @@ class LLMServer:
     async def __init__(self, settings: AppSettings) -> None:
         # Load before the replica counts as started, so no request reaches a half-loaded engine.
         self._settings = settings
-        self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s))
-        await self._host.start()
+        # A hub model is downloaded first, off the MLX thread; the status board shows the phase meanwhile.
+        self._status = ModelStatus.on_board(settings.served_name(), settings.engine.model)
+        try:
+            await self._status.prepare(settings.engine.model)
+            self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s))
+            await self._host.start()
+        except Exception as exc:
+            self._status.set(phase="failed", error=str(exc))
+            self._status.stop()
+            raise
+        self._status.set(phase="ready")
 
     async def generate(self, prompt_tokens: list[int], params: dict[str, Any],
                        request_id: str) -> AsyncIterator[Any]:
