@@ -5,25 +5,42 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.deployment import Application as BoundDeployment
 
 from deployments.fleet import with_fleet_options
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from deployments.model_list import deployment_name, model_settings
 from deployments.settings import AppSettings
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Build from the YAML `args:` block. Actor options are set here, not in YAML `deployments:`,
-    because the BLAS preload must be added only where the library exists (static YAML cannot)."""
-    settings = AppSettings.from_args(args or {})
-    llm, ing = settings.llm_server, settings.ingress
-    llm_options: dict[str, Any] = dict(num_replicas=llm.num_replicas, max_ongoing_requests=llm.max_ongoing_requests,
+def llm_server(settings: AppSettings, name: str = "LLMServer") -> BoundDeployment:
+    """One model's LLM server deployment (its own replicas, resources and placement)."""
+    llm = settings.llm_server
+    llm_options: dict[str, Any] = dict(name=name, num_replicas=llm.num_replicas,
+                                       max_ongoing_requests=llm.max_ongoing_requests,
                                        ray_actor_options=llm.actor_options(settings.llm_env_vars()))
     # Serve kills a replica this long after asking it to stop: room for the drain plus the SSD flush.
     llm_options["graceful_shutdown_timeout_s"] = settings.drain_s + 30
     if llm.max_replicas_per_node:
         llm_options["max_replicas_per_node"] = llm.max_replicas_per_node
     llm_options = with_fleet_options(llm_options, settings.fleet, settings.engine.cache.block_size)
-    server = LLMServer.options(**llm_options).bind(settings)
-    return Ingress.options(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-                           ray_actor_options=ing.actor_options(dict(settings.env))).bind(server, settings)
+    return LLMServer.options(**llm_options).bind(settings)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Build from the YAML `args:` block. Actor options are set here, not in YAML `deployments:`,
+    because the BLAS preload must be added only where the library exists (static YAML cannot).
+    With a `models:` list, each model gets its own LLM server deployment and one ingress routes
+    by the request's `model` (deployments/model_list.py, deployments/model_front.py)."""
+    every = model_settings(args or {})
+    first = every[0]
+    ing = first.ingress
+    ingress_options = dict(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
+                           ray_actor_options=ing.actor_options(dict(first.env)))
+    if len(every) == 1:
+        return Ingress.options(**ingress_options).bind(llm_server(first), first)
+    from deployments.multi_ingress import MultiIngress
+
+    servers = [llm_server(s, deployment_name(s)) for s in every]
+    return MultiIngress.options(**ingress_options).bind(servers, every)

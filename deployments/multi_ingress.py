@@ -1,0 +1,32 @@
+"""The ingress of an app with several models: one OpenAI app per model behind deployments/model_front.py."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp
+
+from deployments.engine_host import load_tokenizer
+from deployments.http_app import OpenAIServer
+from deployments.ingress import HandleBackend
+from deployments.model_front import ModelFront
+from deployments.settings import AppSettings
+
+log = logging.getLogger("pomona.ingress")
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=2000)
+@serve.ingress()
+class MultiIngress:
+    def __init__(self, llms: list[DeploymentHandle], settings: list[AppSettings]) -> None:
+        keys = settings[0].all_api_keys()  # one key set for the endpoint (env and key file of this node)
+        servers = [OpenAIServer(s, HandleBackend(handle), functools.partial(load_tokenizer, s.model), api_keys=keys)
+                   for s, handle in zip(settings, llms)]
+        self._front = ModelFront(servers)
+        log.info("ingress for %s: %d API key(s) configured", [s.served_name() for s in settings], len(keys))
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return self._front
