@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
              object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
+                 [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}})
     rows: list[dict[str, Any]] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
