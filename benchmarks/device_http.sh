@@ -5,7 +5,7 @@
 #
 # probe:   benchmarks/token_path.py (no model): Serve's token path, pacing off / 1000 / 2000 items/s.
 # profile: benchmarks/device_http_profile.py: py-spy on the Serve processes at 128 concurrent, 1B model
-#          (variants default, ingress4: tok/s and CPU of each).
+#          (variants default, ingress4, throughput: tok/s and CPU of each).
 # 1b, smollm2: a random bf16 model of that shape (device_serve_model.py), then benchmarks/side_by_side.py:
 #          bare BatchGenerator loop, Pomona's engine in process, Pomona over HTTP (`ray start` with the
 #          apple_silicon resource + `serve run`), mlx_lm.server over HTTP; the full suite's random
@@ -29,7 +29,7 @@ for what in ${1//,/ }; do
       tail -c 1500 /tmp/token_path.stderr ;;
     profile)
       [ -d /tmp/models/1b ] || python3 -m benchmarks.device_serve_model 1b /tmp/models/1b >/dev/null
-      for v in ${PROFILE_VARIANTS:-default ingress4}; do
+      for v in ${PROFILE_VARIANTS:-default ingress4 throughput}; do
         timeout "${PROFILE_TIMEOUT:-240}" python3 -m benchmarks.device_http_profile /tmp/models/1b --variant "$v" \
           --concurrency 128 --seconds 12 2>"/tmp/profile-$v.stderr" || tail -c 1500 "/tmp/profile-$v.stderr"
       done

@@ -7,7 +7,7 @@ untimed pass, then the suite's random workload at `--concurrency` while `py-spy 
 Serve process (raw collapsed stacks, all threads, GIL holder marked) for `--seconds`. Prints per
 process: CPU seconds over the load, and per thread the share of samples and the top frames by
 self samples; the raw stacks go to $PYSPY_DIR/<variant>/pyspy-<process>.txt (default /tmp/pyspy). Variants: `ingress4` (4 ingress
-replicas), `unpaced` (stream_items_per_s 0).
+replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept).
 """
 
 from __future__ import annotations
@@ -30,8 +30,15 @@ from benchmarks.servers import launched
 from benchmarks.workloads import TextMaker, build, full_suite
 
 PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor")
-VARIANTS = {"default": {}, "ingress4": {"ingress": {"num_replicas": 4, "num_cpus": 0}},
-            "unpaced": {"stream_items_per_s": 0}}
+# name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process)
+VARIANTS = {
+    "default": ({}, {}),
+    "ingress4": ({"ingress": {"num_replicas": 4, "num_cpus": 0}}, {}),
+    "unpaced": ({"stream_items_per_s": 0}, {}),
+    # Ray Serve's throughput-optimized mode (user code on the replica's main loop, router in the same
+    # loop, gRPC between proxy and replicas, buffered access logs), keeping its HTTP proxy.
+    "throughput": ({}, {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}),
+}
 
 
 def pids_of(name: str) -> list[int]:
@@ -81,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(os.environ.get("PYSPY_DIR", "/tmp/pyspy")) / args.variant
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model_dir)
+    app_args, env = VARIANTS[args.variant]
     spec = pomona_server(model, args.port, Path("/tmp/prof-run"), eos_extra_body("ignore_eos", []),
-                         engine={"max_running": 128}, app_args=VARIANTS[args.variant])
+                         engine={"max_running": 128}, app_args=app_args)
+    spec = replace(spec, env={**spec.env, **env})
     suite = full_suite()
     maker = TextMaker(model)
     with launched(spec, Path("/tmp/prof-run/logs")) as running:
