@@ -28,8 +28,10 @@ def replica_went_away(exc: BaseException) -> bool:
 
 async def retry_before_first(start: Callable[[int], AsyncIterator[T]],
                              retryable: Callable[[BaseException], bool] = replica_went_away,
-                             attempts: int = ATTEMPTS) -> AsyncIterator[T]:
-    """Items of `start(attempt)`; restarted (attempt 1, 2, ...) while it fails before its first item."""
+                             attempts: int = ATTEMPTS,
+                             on_retry: Callable[[], None] | None = None) -> AsyncIterator[T]:
+    """Items of `start(attempt)`; restarted (attempt 1, 2, ...) while it fails before its first item.
+    `on_retry` is called before each restart (the ingress counts failovers in /metrics)."""
     for attempt in range(attempts):
         stream = start(attempt)
         try:
@@ -42,6 +44,8 @@ async def retry_before_first(start: Callable[[int], AsyncIterator[T]],
                     raise
                 log.warning("model server replica went away before the first event (%s); retrying on another",
                             exc.__cause__ or exc)
+                if on_retry is not None:
+                    on_retry()
                 continue
             yield first
             async for item in stream:

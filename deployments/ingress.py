@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -36,13 +36,15 @@ class HandleBackend:
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
         self._streaming = handle.options(stream=True)
+        self.on_failover: Callable[[], None] | None = None  # set by the ingress: counts in /metrics
 
     async def stream(self, prompt_tokens: list[int], params: dict[str, Any],
                      request_id: str) -> AsyncIterator[Any]:
         """A replica that dies before the first event is replaced once (deployments/fleet_failover.py)."""
         async for item in retry_before_first(
                 lambda attempt: self._stream_once(prompt_tokens, params,
-                                                  request_id if not attempt else f"{request_id}-retry{attempt}")):
+                                                  request_id if not attempt else f"{request_id}-retry{attempt}"),
+                on_retry=self.on_failover):
             yield item
 
     async def _stream_once(self, prompt_tokens: list[int], params: dict[str, Any],
@@ -88,8 +90,9 @@ class HandleBackend:
 class Ingress:
     def __init__(self, llm: DeploymentHandle, settings: AppSettings) -> None:
         keys = settings.all_api_keys()  # read here: env and key file of the replica's node
-        self._server = OpenAIServer(settings, HandleBackend(llm),
-                                    functools.partial(load_tokenizer, settings.model), api_keys=keys)
+        backend = HandleBackend(llm)
+        self._server = OpenAIServer(settings, backend, functools.partial(load_tokenizer, settings.model), api_keys=keys)
+        backend.on_failover = self._server.metrics.failover
         log.info("ingress for %s: %d API key(s) configured", settings.served_name(), len(keys))
 
     def __serve_build_asgi_app__(self) -> Starlette:

@@ -64,6 +64,7 @@ class IngressMetrics:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
     disconnects: int = 0
+    failovers: int = 0  # requests restarted on another replica after theirs went away (fleet_failover)
     engine_stats_errors: int = 0  # /metrics scrapes that got no stats from the model server
     engine_stats_ok: bool = True  # a change is logged, not every failed scrape
     ttft: Histogram = field(default_factory=Histogram)
@@ -72,6 +73,9 @@ class IngressMetrics:
 
     def count(self, route: str, status: int) -> None:
         self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+
+    def failover(self) -> None:
+        self.failovers += 1
 
     def engine_stats_failed(self, exc: BaseException) -> None:
         self.engine_stats_errors += 1
@@ -103,7 +107,8 @@ class IngressMetrics:
         out.append("# TYPE pomona_cached_tokens_total counter")
         out += [f"pomona_cached_tokens_total{_labels({'tier': t})} {n}" for t, n in sorted(self.cached_by_tier.items())]
         out += ["# TYPE pomona_requests_in_flight gauge", f"pomona_requests_in_flight {self.in_flight}",
-                "# TYPE pomona_client_disconnects_total counter", f"pomona_client_disconnects_total {self.disconnects}"]
+                "# TYPE pomona_client_disconnects_total counter", f"pomona_client_disconnects_total {self.disconnects}",
+                "# TYPE pomona_failover_retries_total counter", f"pomona_failover_retries_total {self.failovers}"]
         for name, hist in (("pomona_time_to_first_token_seconds", self.ttft),
                            ("pomona_inter_token_latency_seconds", self.itl),
                            ("pomona_request_duration_seconds", self.e2e)):

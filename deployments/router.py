@@ -57,6 +57,12 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas = self._reachable(candidate_replicas)
         if not candidate_replicas:
             return []
+        if pending_request is not None and pending_request.metadata.call_method != "generate":
+            # Control calls (readiness, stats, the /admin fan-out) go to a random replica: by load
+            # they would always reach the idlest one, and /admin would never hear from a busy one.
+            order = list(candidate_replicas)
+            self._rng.shuffle(order)
+            return [[r] for r in order]
         hashes = self._prompt_hashes(candidate_replicas, pending_request)
         views = [ReplicaView(r.replica_id.unique_id, self._load(r), self._matched(r, hashes))
                  for r in candidate_replicas]

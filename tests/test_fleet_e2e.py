@@ -4,13 +4,19 @@ A head and a second node are started with `pomona node start/join` (own temp dir
 ports; benchmarks/fleet_cluster.py), so nothing here touches another Ray cluster on this machine.
 Two applications share the cluster: "/" is the fleet (affinity router, two replicas, at most one
 per node) and "/single" one replica, the reference for the cached-token share. Clients are the
-official `openai` client over real HTTP; the model is the tiny random one.
+official `openai` client over real HTTP (raw SSE through httpx where the wire itself is checked),
+never with client retries; the model is the tiny random one. The failover test runs last: it
+kills a replica (Serve then starts a new one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +24,9 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.fleet_cluster import local_cluster, node_pids, stop_node
+from benchmarks.fleet_cluster import local_cluster, node_pids
 from benchmarks.workloads import TextMaker, WorkloadSpec, first_turn_messages, prefix_workload
-from e2e_helpers import free_port, tiny_args, wait_healthy
+from e2e_helpers import free_port, metric, tiny_args, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -32,7 +38,9 @@ SPEC = WorkloadSpec("fleet-prefix", "prefix", num_requests=32, input_len=24, out
 def fleet_args(model_dir: Path, replicas: int) -> dict:
     llm = {"num_replicas": replicas, "num_cpus": 0.25, "resources": {"apple_silicon": 1},
            "max_replicas_per_node": 1}
-    return tiny_args(model_dir, llm_server=llm, fleet=FLEET)
+    # A batch of 2: the failover test fills one replica with two streams, so more requests queue there.
+    engine = {"max_running": 2, "prefill_batch": 2}
+    return tiny_args(model_dir, llm_server=llm, fleet=FLEET, engine=engine)
 
 
 @pytest.fixture(scope="module")
@@ -119,39 +127,98 @@ def test_affinity_keeps_cached_share(cluster, tiny_model_dir):
     assert fleet >= 0.8 * single
 
 
-def test_stopping_a_node_leaves_the_endpoint_serving(cluster):
-    base, nodes = cluster
-    # Retries: the ingress's readiness poll may hit the dead replica once and answer 503 +
-    # Retry-After until its next poll (http_app); the openai client honours that.
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=4, timeout=60)
+PREFIX = "Story of the victim replica: " + "once upon a time there was a fox " * 12  # > one cache block
 
-    async def inflight() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
-        async def one(i: int) -> str:
-            try:
-                stream = await aclient.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": f"Story {i}: " + "once upon a time " * 20}],
-                    max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
-                async for _ in stream:
-                    pass
-                return "done"
-            except openai.APIError as exc:  # an error event after tokens, or a 5xx before
-                return f"error: {exc}"
+def sse_stream(base: str, content: str, max_tokens: int, lines: list[str]) -> None:
+    """A raw SSE chat stream (the wire, to see error events and [DONE]); no client retries."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=httpx.Timeout(60)) as resp:
+            lines.append(f"status {resp.status_code}")
+            lines.extend(line for line in resp.iter_lines() if line)
+    except httpx.HTTPError as exc:  # recorded, and the assertions below say what was expected
+        lines.append(f"transport error {exc!r}")
 
-        tasks = [asyncio.create_task(one(i)) for i in range(4)]
-        await asyncio.sleep(1.5)
-        await asyncio.to_thread(stop_node, nodes[1])
-        try:
-            return list(await asyncio.wait_for(asyncio.gather(*tasks), 90))  # never a hang
-        finally:
-            await aclient.close()
 
-    outcomes = asyncio.run(inflight())
-    assert len(outcomes) == 4
-    t0 = time.monotonic()
-    answers = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Hi {i}"}],
-                                              max_tokens=3, temperature=0) for i in range(6)]
-    assert all(a.choices[0].message.content is not None for a in answers)
-    assert time.monotonic() - t0 < 60
-    assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+def chunks(lines: list[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def replica_of(base: str, request_ids: set[str]) -> dict[str, tuple[int, str]]:
+    """Request id -> (pid of the LLM replica holding it, its phase), from GET /admin/requests."""
+    answer = httpx.get(f"{base}/admin/requests", timeout=10).json()
+    return {r["id"]: (int(replica["replica"]["pid"]), r["phase"])
+            for replica in answer.get("data", []) for r in replica["requests"] if r["id"] in request_ids}
+
+
+def wait_for(base: str, predicate, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            value = predicate()
+            if value:
+                return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; /admin/requests: "
+                         f"{httpx.get(f'{base}/admin/requests', timeout=10).text}")
+
+
+def test_killed_replica_fails_over(cluster):
+    """SIGKILL one LLM replica mid-flight, clients without retries: streams that had tokens end with
+    an error event and [DONE]; requests that had none (queued behind its full batch) are retried on
+    the other replica and succeed; nothing hangs; requests for the dead replica's prefix then go to
+    a live one at the first try."""
+    base, _ = cluster
+    metric_name = "pomona_failover_retries_total"
+    start = metric(base, metric_name)
+    started: list[threading.Thread] = []
+
+    def launch(content: str, max_tokens: int) -> list[str]:
+        lines: list[str] = []
+        started.append(threading.Thread(target=sse_stream, args=(base, PREFIX + content, max_tokens, lines)))
+        started[-1].start()
+        return lines
+
+    # Two long streams fill one replica's batch (engine.max_running 2); affinity sends both there.
+    victims = []
+    for i in range(2):
+        victims.append(launch(f" Go on {i}.", 1500))
+        wait_for(base, lambda: len(chunks(victims[-1])) >= 2, f"stream {i} to start")
+    ids = {chunks(v)[0]["id"] for v in victims}
+    where = wait_for(base, lambda: (w := replica_of(base, ids)) and len(w) == 2 and w, "/admin/requests to list both")
+    pids = {pid for pid, _ in where.values()}
+    assert len(pids) == 1, f"affinity should put both streams on one replica: {where}"
+    victim = pids.pop()
+    # Same prefix: to the same replica, where they wait for a slot and get no token before it dies.
+    waiting = [launch(f" Then {i}?", 8) for i in range(2)]
+    wait_for(base, lambda: sum(1 for replica in httpx.get(f"{base}/admin/requests", timeout=10).json()["data"]
+                         if int(replica["replica"]["pid"]) == victim
+                         for r in replica["requests"] if r["phase"] == "queued") == 2,
+             "two requests queued on the victim")
+    os.kill(victim, signal.SIGKILL)
+    for t in started:
+        t.join(90)
+    assert not any(t.is_alive() for t in started), "a request hung after its replica died"
+
+    for lines in victims:
+        assert lines[0] == "status 200" and lines[-1] == "data: [DONE]", lines[-3:]
+        *tokens, error = chunks(lines)
+        assert error.get("error", {}).get("code") == "service_unavailable", error
+        assert any(c["choices"][0]["delta"].get("content") for c in tokens)
+    for lines in waiting:  # no client-visible error: a normal, complete answer
+        assert lines[0] == "status 200" and lines[-1] == "data: [DONE]", lines[-3:]
+        assert not any("error" in c for c in chunks(lines)), lines
+        assert chunks(lines)[-1]["choices"][0]["finish_reason"] == "length", lines[-3:]
+    after_kill = metric(base, metric_name)
+    assert after_kill - start == 2  # each waiting request failed on the dead replica once, then succeeded
+
+    # The router dropped the dead replica: the prefix it held is served elsewhere, first time.
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(6):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PREFIX + f" {i}"}],
+                                             max_tokens=3, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    assert metric(base, metric_name) == after_kill
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
