@@ -88,14 +88,116 @@ def completion_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
     return {"type": "object", "required": ["model", "prompt"], "properties": props}
 
 
+def _text(max_length: int = 2000) -> dict[str, Any]:
+    return {"type": "string", "maxLength": max_length}
+
+
+def _kind(kind: str, required: list[str], **props: Any) -> dict[str, Any]:
+    """An object tagged by its "type" (a content block or an input item)."""
+    return {"type": "object", "required": ["type", *required], "properties": {"type": {"enum": [kind]}, **props}}
+
+
+TEXT_BLOCK = _kind("text", ["text"], text=_text())
+TOOL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+
+
+def messages_schema(limits: Limits, max_tokens: int, counting: bool = False) -> dict[str, Any]:
+    """Anthropic's /v1/messages body (`counting`: /v1/messages/count_tokens, no max_tokens or stream).
+    `max_tokens` above the server's limit is accepted and clamped (clients size it for Claude)."""
+    result = {"anyOf": [_text(), {"type": "array", "items": TEXT_BLOCK, "maxItems": 4}]}
+    block = {"anyOf": [TEXT_BLOCK,
+                       _kind("tool_use", ["id", "name", "input"], id={"type": "string", "minLength": 1},
+                             name=TOOL_NAME, input={"type": "object"}),
+                       _kind("tool_result", ["tool_use_id"], tool_use_id={"type": "string", "minLength": 1},
+                             content=result, is_error={"type": "boolean"}),
+                       _kind("thinking", ["thinking"], thinking=_text(), signature={"type": "string"})]}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"anyOf": [_text(), {"type": "array", "items": block, "minItems": 1, "maxItems": 4}]}}}
+    tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "name": TOOL_NAME, "description": {"type": "string"}, "input_schema": {"type": "object"},
+        "strict": {"type": "boolean"}, "cache_control": {"type": "object"}}}
+    choice = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "none"]}, "disable_parallel_tool_use": {"type": "boolean"}}},
+        {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"enum": ["tool"]}, "name": {"type": "string"}, "disable_parallel_tool_use": {"type": "boolean"}}}]}
+    props: dict[str, Any] = {
+        "model": {"type": "string", "minLength": 1},
+        "system": {"anyOf": [_text(), {"type": "array", "items": TEXT_BLOCK, "maxItems": 4}]},
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
+        "tools": {"type": "array", "items": tool, "maxItems": 128}, "tool_choice": choice,
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64},
+                           "maxItems": limits.max_stop},
+        "temperature": _number(0, 1), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "metadata": {"type": "object", "properties": {"user_id": {"type": "string", "maxLength": 256}}},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": {"type": "integer", "minimum": 1}}},
+        "output_config": {"type": "object", "properties": {"format": {
+            "type": "object", "required": ["type", "schema"], "properties": {
+                "type": {"enum": ["json_schema"]}, "schema": {"type": "object"}}}}},
+        "service_tier": {"enum": ["auto", "standard_only"]},
+    }
+    if counting:
+        return {"type": "object", "required": ["model", "messages"], "properties": props}
+    props.update(max_tokens={"type": "integer", "minimum": 1, "maximum": max(max_tokens, 64000),
+                             "description": f"clamped to {min(limits.max_tokens or max_tokens, max_tokens)}"},
+                 stream={"type": "boolean"})
+    return {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": props}
+
+
+def responses_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
+    """OpenAI's /v1/responses body (function tools only; see deployments/responses_parse.py)."""
+    parts = {"type": "array", "items": _kind("input_text", ["text"], text=_text()), "minItems": 1, "maxItems": 4}
+    item = {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"enum": ["message"]}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": {"anyOf": [_text(), parts]}}},
+        _kind("function_call", ["call_id", "name", "arguments"], call_id={"type": "string", "minLength": 1},
+              name=TOOL_NAME, arguments={"type": "string", "maxLength": 200}),
+        _kind("function_call_output", ["call_id", "output"], call_id={"type": "string", "minLength": 1},
+              output=_text())]}
+    tool = _kind("function", ["name"], name=TOOL_NAME, description={"type": "string"},
+                 parameters={"type": "object"}, strict={"type": "boolean"})
+    fmt = {"anyOf": [{"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                     _kind("json_schema", ["schema"], name={"type": "string"}, schema={"type": "object"},
+                           strict={"type": "boolean"})]}
+    limit = min(limits.max_tokens or max_tokens, max_tokens)
+    props = {
+        "model": {"type": "string", "minLength": 1},
+        "input": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 2000},
+                            {"type": "array", "items": item, "minItems": 1, "maxItems": limits.max_messages}]},
+        "instructions": _text(), "tools": {"type": "array", "items": tool, "maxItems": 128},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]},
+                                  _kind("function", ["name"], name={"type": "string"})]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": limit},
+        "temperature": _number(0, 2), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "text": {"type": "object", "properties": {"format": fmt, "verbosity": {"enum": ["low", "medium", "high"]}}},
+        "reasoning": {"type": "object", "properties": {
+            "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}}},
+        "stream": {"type": "boolean"}, "store": {"type": "boolean"},
+        "previous_response_id": {"type": "string", "minLength": 1},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}},
+        "user": {"type": "string", "maxLength": 256}, "truncation": {"enum": ["auto", "disabled"]},
+    }
+    return {"type": "object", "required": ["model", "input"], "properties": props}
+
+
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
-def _responses(ok: str) -> dict[str, Any]:
-    err = {"content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def _responses(ok: str, error: str = "Error") -> dict[str, Any]:
+    err = {"content": {JSON: {"schema": {"$ref": f"#/components/schemas/{error}"}}}}
     return {"200": {"description": ok}, "400": {"description": "invalid request", **err},
             "401": {"description": "missing or wrong API key", **err},
             "404": {"description": "unknown model", **err}, "413": {"description": "body too large", **err},
@@ -104,10 +206,11 @@ def _responses(ok: str) -> dict[str, Any]:
             "504": {"description": "engine.request_timeout_s ran out", **err}}
 
 
-def _post(summary: str, schema: str) -> dict[str, Any]:
+def _post(summary: str, schema: str, error: str = "Error",
+          ok: str = "a completion (JSON), or server-sent events with \"stream\": true") -> dict[str, Any]:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
-        "responses": _responses("a completion (JSON), or server-sent events with \"stream\": true")}}
+        "responses": _responses(ok, error)}}
 
 
 def _get(summary: str) -> dict[str, Any]:
@@ -124,12 +227,28 @@ def openapi_document(limits: Limits, max_tokens: int, model: str) -> dict[str, A
         "info": {"title": "Pomona", "version": "1", "description": f"OpenAI-compatible API serving {model!r}."},
         "components": {
             "schemas": {"ChatCompletionRequest": chat_schema(limits, max_tokens),
-                        "CompletionRequest": completion_schema(limits, max_tokens), "Error": ERROR},
+                        "CompletionRequest": completion_schema(limits, max_tokens),
+                        "MessagesRequest": messages_schema(limits, max_tokens),
+                        "CountTokensRequest": messages_schema(limits, max_tokens, counting=True),
+                        "ResponsesRequest": responses_schema(limits, max_tokens),
+                        "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {
             "/v1/chat/completions": _post("chat completion", "ChatCompletionRequest"),
             "/v1/completions": _post("text completion", "CompletionRequest"),
+            "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "AnthropicError"),
+            "/v1/messages/count_tokens": _post("Anthropic token count", "CountTokensRequest", "AnthropicError",
+                                               ok="{\"input_tokens\": n}"),
+            "/v1/responses": _post("OpenAI Responses", "ResponsesRequest"),
+            "/v1/responses/{response_id}": {**_get("a stored response"), "delete": {
+                "summary": "delete a stored response", "responses": _responses("deleted")}},
+            "/v1/responses/{response_id}/input_items": {"get": {
+                "summary": "a stored response's input items", "parameters": [
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}}],
+                "responses": _responses("a list of input items")}},
             "/v1/models": _get("the served model"),
             "/health": {"get": {"summary": "200 once a model replica serves, else 503", "security": [],
                                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},

@@ -5,8 +5,10 @@ unstructured bodies follow, and every configurable limit is enforced.
 0.23 does not run on current hypothesis); with `wild`, a field may instead get any JSON value, so
 bodies probe both sides of each bound.
 
-Budget: about 200 requests in all, each `max_tokens` <= 16 on a tiny model. Passing means no 5xx,
-no replica restart (same pid before and after), and the server still answers afterwards.
+Routes: chat and text completions, Anthropic's /v1/messages and /v1/messages/count_tokens, OpenAI's
+/v1/responses, each refusal in its own dialect's error shape. Budget: about 450 requests in all, each
+`max_tokens` <= 16 on a tiny model. Passing means no 5xx, no replica restart (same pid before and
+after), and the server still answers afterwards.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from reliability_helpers import admin, auth, own_cluster
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 KEY = "sk-fuzz-0123"
 LIMITS = {"max_body_bytes": 4096, "max_prompt_tokens": 256, "max_tokens": 16, "max_stop": 2, "max_messages": 4}
-ROUTES = {"ChatCompletionRequest": "/v1/chat/completions", "CompletionRequest": "/v1/completions"}
+ROUTES = {"ChatCompletionRequest": "/v1/chat/completions", "CompletionRequest": "/v1/completions",
+          "MessagesRequest": "/v1/messages", "CountTokensRequest": "/v1/messages/count_tokens",
+          "ResponsesRequest": "/v1/responses"}
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_dir):
+def base(tiny_model_dir, tmp_path_factory):
     args = tiny_args(tiny_model_dir, api_keys=[KEY], limits=LIMITS,
+                     responses={"directory": str(tmp_path_factory.mktemp("responses"))},
                      engine={"max_running": 4, "prefill_batch": 4, "max_waiting": 64})
     with own_cluster({"/": args}, apple_silicon=1) as url:
         wait_healthy(url)
@@ -57,21 +63,43 @@ def replica_pid(base) -> int:
 
 
 def check(r: httpx.Response) -> None:
-    """Never a 5xx; a refusal is OpenAI-shaped; a stream that started ends with [DONE]."""
+    """Never a 5xx; a refusal is in the route's dialect's shape (Anthropic's on its routes, else
+    OpenAI's); a stream that started ends the dialect's way, with no error event."""
     assert r.status_code < 500, (r.status_code, r.text[:300])
+    path = r.request.url.path
     if r.status_code != 200:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        body = r.json()
+        if path in ANTHROPIC:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        else:
+            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["message"]
     elif r.headers["content-type"].startswith("text/event-stream"):
-        assert r.text.rstrip().endswith("data: [DONE]") and '"server_error"' not in r.text
+        last = r.text.rstrip().rsplit("\n\n", 1)[-1]
+        if path == "/v1/messages":
+            assert last.startswith("event: message_stop") and "event: error" not in r.text, r.text[-300:]
+        elif path == "/v1/responses":
+            assert last.split("\n", 1)[0] in ("event: response.completed", "event: response.incomplete"), last
+            assert "event: error" not in r.text
+        else:
+            assert last == "data: [DONE]" and '"server_error"' not in r.text
 
 
 def test_openapi_is_published_behind_the_key_with_the_configured_limits(base, openapi):
     assert httpx.get(f"{base}/openapi.json").status_code == 401
-    assert {"/v1/chat/completions", "/v1/completions", "/admin/requests", "/admin/cache/clear"} <= set(openapi["paths"])
-    chat = openapi["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert set(ROUTES.values()) | {"/admin/requests", "/admin/cache/clear"} <= set(openapi["paths"])
+    schemas = openapi["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["max_tokens"]["maximum"] == LIMITS["max_tokens"]
     assert chat["messages"]["maxItems"] == LIMITS["max_messages"]
     assert chat["stop"]["anyOf"][1]["maxItems"] == LIMITS["max_stop"]
+    messages = schemas["MessagesRequest"]["properties"]
+    assert messages["messages"]["maxItems"] == LIMITS["max_messages"]
+    assert messages["stop_sequences"]["maxItems"] == LIMITS["max_stop"]
+    assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
+    responses = schemas["ResponsesRequest"]["properties"]
+    assert responses["max_output_tokens"]["maximum"] == LIMITS["max_tokens"]
+    assert responses["input"]["anyOf"][1]["maxItems"] == LIMITS["max_messages"]
 
 
 @pytest.mark.parametrize("name", sorted(ROUTES))
@@ -98,8 +126,9 @@ def from_schema(schema: dict, wild: float = 0.0) -> st.SearchStrategy:
     kind = schema.get("type")
     if kind == "object":
         return _object(schema, wild)
-    if kind == "array":
-        return st.lists(from_schema(schema["items"], wild), min_size=schema.get("minItems", 0),
+    if kind == "array":  # with `wild`, an item too may be any JSON value (a string where a block goes)
+        item = from_schema(schema["items"], wild)
+        return st.lists(st.one_of(item, JSON_VALUES) if wild else item, min_size=schema.get("minItems", 0),
                         max_size=min(schema.get("maxItems", 5), 8))
     if kind == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 20), 40))
@@ -134,7 +163,8 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
                            max_leaves=12)
 FIELDS = ["model", "messages", "prompt", "max_tokens", "stop", "stream", "stream_options", "logprobs",
-          "top_logprobs", "temperature", "seed", "n", "tools", "user", "ignore_eos"]
+          "top_logprobs", "temperature", "seed", "n", "tools", "user", "ignore_eos", "system", "tool_choice",
+          "stop_sequences", "thinking", "input", "instructions", "max_output_tokens", "text", "previous_response_id"]
 
 
 @FUZZ
@@ -162,6 +192,33 @@ def test_configured_limits_are_enforced(http, body, status, param):
     r = http.post(route, json={"model": "tiny", **body})
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+DEEP = "[" * 1500 + "]" * 1500  # past the JSON parser's own recursion limit (within max_body_bytes)
+NESTED = "[" * 101 + "]" * 101  # parsed, but deeper than decode_body's bound
+HOSTILE = {
+    "/v1/chat/completions": '{"model": "tiny", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 2, "x": %s}',
+    "/v1/completions": '{"model": "tiny", "prompt": "%s", "max_tokens": 2, "x": %s}',
+    "/v1/messages": '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "%s"}], "x": %s}',
+    "/v1/messages/count_tokens": '{"model": "tiny", "messages": [{"role": "user", "content": "%s"}], "x": %s}',
+    "/v1/responses": '{"model": "tiny", "input": "%s", "max_output_tokens": 2, "store": false, "x": %s}',
+}
+
+
+@pytest.mark.parametrize("route", sorted(HOSTILE))
+def test_hostile_json_is_a_400_on_every_route(http, route):
+    """Nesting past the parser's recursion limit or past MAX_JSON_DEPTH, and a lone surrogate escape
+    (which the tokenizer cannot encode), are the client's 400 with a message, never a 500."""
+    template = HOSTILE[route]
+    for text, extra, says in [("hi", DEEP, "deeper than"), ("hi", NESTED, "deeper than"),
+                              ("\\ud800 alone", "1", "surrogate")]:
+        r = http.post(route, content=(template % (text, extra)).encode(), headers={"content-type": "application/json"})
+        check(r)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text[:300]
+    ok = http.post(route, content=(template % ("\\ud83d\\ude00 paired", "[[1]]")).encode(),
+                   headers={"content-type": "application/json"})
+    check(ok)  # a surrogate pair is valid Unicode: served, or refused only for the unknown field "x"
+    assert "surrogate" not in ok.text and "deeper" not in ok.text, ok.text[:300]
 
 
 def test_still_serving_after_the_fuzz(base, http, replica_pid):
