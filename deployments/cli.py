@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                                                  "local Hugging Face cache, where serving finds it")
     pull.add_argument("model", help="a Hugging Face repo id, e.g. mlx-community/Qwen3-4B-4bit")
     pull.add_argument("--revision", help="branch, tag or commit to pin (same as owner/name@revision)")
+    run = groups.add_parser("serve", help="`serve run CONFIG` whose SIGTERM and Ctrl-C drain running requests first")
+    run.add_argument("config", help="the Serve config (serve_config.yaml)")
+    run.add_argument("--address", help="Ray address (default: as `serve run`: $RAY_ADDRESS or this machine's cluster)")
     return top
 
 
@@ -62,6 +65,10 @@ def options(args: argparse.Namespace) -> node.NodeOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.group == "serve":
+        from deployments.serve_cmd import serve
+
+        return serve(args.config, args.address)
     if args.group == "models":
         return pull_model(args.model if not args.revision else f"{args.model.partition('@')[0]}@{args.revision}")
     if args.action == "stop":

@@ -10,6 +10,7 @@ only needs per-replica routing stats, which this class publishes either way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -34,6 +35,7 @@ class LLMServer:
     async def __init__(self, settings: AppSettings) -> None:
         # Load before the replica counts as started, so no request reaches a half-loaded engine.
         self._settings = settings
+        self._draining: asyncio.Task | None = None  # set by reconfigure (pomona serve's SIGTERM)
         # A hub model is downloaded first, off the MLX thread; the status board shows the phase meanwhile.
         self._status = ModelStatus.on_board(settings.served_name(), settings.engine.model)
         try:
@@ -63,6 +65,8 @@ class LLMServer:
         return self._host.stats()
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        if self._draining is not None:
+            return {"draining": True}  # its engine stops: nothing to route here for its cache
         return await self._host.routing_stats()
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
@@ -70,7 +74,19 @@ class LLMServer:
         return await self._host.admin(action, tier)
 
     async def check_health(self) -> None:
+        if self._draining is not None:
+            return  # stopping on purpose; failing here would make Serve start a replacement
         await self._host.check_health()
 
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """`user_config: {draining: true}` (what `pomona serve` applies on SIGTERM, deployments/serve_cmd.py)
+        starts the drain at once, while Serve's proxy and the ingress still carry its 503s and error
+        events: new requests are refused, running ones get `drain_s`, then the engine stops."""
+        if (user_config or {}).get("draining") and self._draining is None:
+            log.info("draining: running requests get %s s, new ones are refused", self._settings.drain_s)
+            self._draining = asyncio.create_task(self._host.shutdown(self._settings.drain_s))
+
     async def __del__(self) -> None:
+        if self._draining is not None:
+            await self._draining
         await self._host.shutdown(self._settings.drain_s)
