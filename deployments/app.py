@@ -10,7 +10,7 @@ from ray.serve.deployment import Application as BoundDeployment
 from deployments.fleet import with_fleet_options
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
-from deployments.model_list import deployment_name, model_settings
+from deployments.model_list import ModelPlan, deployment_name, plan
 from deployments.settings import AppSettings
 
 
@@ -33,14 +33,32 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     because the BLAS preload must be added only where the library exists (static YAML cannot).
     With a `models:` list, each model gets its own LLM server deployment and one ingress routes
     by the request's `model` (deployments/model_list.py, deployments/model_front.py)."""
-    every = model_settings(args or {})
+    models = plan(args or {})
+    every = list(models.models)
     first = every[0]
     ing = first.ingress
     ingress_options = dict(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
                            ray_actor_options=ing.actor_options(dict(first.env)))
-    if len(every) == 1:
+    if len(every) == 1 and not models.multiplexed:
         return Ingress.options(**ingress_options).bind(llm_server(first), first)
     from deployments.multi_ingress import MultiIngress
 
-    servers = [llm_server(s, deployment_name(s)) for s in every]
-    return MultiIngress.options(**ingress_options).bind(servers, every)
+    shared = multiplexed_server(models) if models.multiplexed else None
+    servers = [shared if s.served_name() in models.multiplexed else llm_server(s, deployment_name(s)) for s in every]
+    return MultiIngress.options(**ingress_options).bind(servers, every, models.multiplexed)
+
+
+def multiplexed_server(models: ModelPlan) -> BoundDeployment:
+    """The one deployment of every `multiplexed: true` model (deployments/multiplexed.py). Serve's own
+    router, not the prefix-affinity one: only it knows which replica holds which model."""
+    from deployments.multiplexed import MultiplexedLLMServer
+
+    base = models.multiplex_replicas()
+    llm = base.llm_server
+    options: dict[str, Any] = dict(num_replicas=llm.num_replicas, max_ongoing_requests=llm.max_ongoing_requests,
+                                   ray_actor_options=llm.actor_options(base.llm_env_vars()),
+                                   graceful_shutdown_timeout_s=base.drain_s + 30)
+    if llm.max_replicas_per_node:
+        options["max_replicas_per_node"] = llm.max_replicas_per_node
+    mx = models.multiplex
+    return MultiplexedLLMServer.options(**options).bind(models.shared(), mx.max_models_per_replica, mx.load_wait_s)

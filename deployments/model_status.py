@@ -27,7 +27,7 @@ HEARTBEAT_READY_S = 10.0
 STALE_S = 60.0
 READ_TIMEOUT_S = 2.0
 
-PHASES = ("downloading", "loading", "ready", "failed")
+PHASES = ("downloading", "loading", "ready", "failed", "unloaded")  # unloaded: evicted by multiplexing
 
 
 class StatusBoard:

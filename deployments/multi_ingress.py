@@ -21,10 +21,14 @@ log = logging.getLogger("pomona.ingress")
 @serve.deployment(name="Ingress", max_ongoing_requests=2000)
 @serve.ingress()
 class MultiIngress:
-    def __init__(self, llms: list[DeploymentHandle], settings: list[AppSettings]) -> None:
+    def __init__(self, llms: list[DeploymentHandle], settings: list[AppSettings],
+                 multiplexed: frozenset[str] = frozenset()) -> None:
         keys = settings[0].all_api_keys()  # one key set for the endpoint (env and key file of this node)
+        # A multiplexed model's requests carry its name: Serve routes them to a replica holding it.
+        handles = [h.options(multiplexed_model_id=s.served_name()) if s.served_name() in multiplexed else h
+                   for s, h in zip(settings, llms)]
         servers = [OpenAIServer(s, HandleBackend(handle), functools.partial(load_tokenizer, s.model), api_keys=keys)
-                   for s, handle in zip(settings, llms)]
+                   for s, handle in zip(settings, handles)]
         self._front = ModelFront(servers)
         log.info("ingress for %s: %d API key(s) configured", [s.served_name() for s in settings], len(keys))
 

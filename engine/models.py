@@ -310,6 +310,11 @@ def _context_length(config: dict[str, Any]) -> int:
     raise ValueError("the model config names no context length (max_position_embeddings)")
 
 
+def context_length_of(path: Path) -> int:
+    """A model directory's context length from its config.json, without loading weights."""
+    return _context_length(json.loads((Path(path) / "config.json").read_text()))
+
+
 def load_tokenizer(path: Path) -> Any:
     """The model's mlx-lm TokenizerWrapper without loading weights (for chat templates, counting)."""
     from mlx_lm.utils import load_config

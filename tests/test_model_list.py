@@ -42,3 +42,21 @@ def test_entries_override_engine_and_placement_and_share_the_ram_budget() -> Non
 def test_bad_lists_are_refused(args: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         model_settings(args)
+
+
+def test_plan_splits_pinned_and_multiplexed_models() -> None:
+    from deployments.model_list import plan
+
+    p = plan({"llm_server": {"num_cpus": 2, "resources": {"apple_silicon": 1}},
+              "models": [{"model": "a/chat"}, {"model": "a/small", "multiplexed": True},
+                         {"model": "a/coder", "multiplexed": True}],
+              "multiplex": {"max_models_per_replica": 1, "load_wait_s": 5, "llm_server": {"num_replicas": 2}}})
+    assert [s.served_name() for s in p.pinned()] == ["a/chat"]
+    assert [s.served_name() for s in p.shared()] == ["a/small", "a/coder"]
+    assert (p.multiplex.max_models_per_replica, p.multiplex.load_wait_s) == (1, 5)
+    replicas = p.multiplex_replicas().llm_server
+    assert (replicas.num_replicas, replicas.num_cpus, dict(replicas.resources)) == (2, 2.0, {"apple_silicon": 1.0})
+    with pytest.raises(ValueError, match="unknown multiplex settings"):
+        plan({"models": ["a/b"], "multiplex": {"slots": 2}})
+    with pytest.raises(ValueError, match="max_models_per_replica"):
+        plan({"models": ["a/b"], "multiplex": {"max_models_per_replica": 0}})
