@@ -60,3 +60,19 @@ def test_plan_splits_pinned_and_multiplexed_models() -> None:
         plan({"models": ["a/b"], "multiplex": {"slots": 2}})
     with pytest.raises(ValueError, match="max_models_per_replica"):
         plan({"models": ["a/b"], "multiplex": {"max_models_per_replica": 0}})
+
+
+@pytest.mark.parametrize("config", ["serve_config.yaml", "serve_config.fleet.yaml", "serve_config.models.yaml",
+                                    "serve_config.rack.yaml"])
+def test_shipped_configs_build(config: str) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from deployments.app import build_app
+    from deployments.model_list import plan
+
+    app = yaml.safe_load((Path(__file__).resolve().parent.parent / config).read_text())["applications"][0]
+    models = plan(app["args"])
+    assert len(models.models) >= 1 and all(s.served_name() for s in models.models)
+    build_app(app["args"])  # no Ray cluster needed to build
