@@ -4,8 +4,9 @@ Each served model keeps its own `OpenAIServer` (http_app.py: its backend handle,
 readiness); this ASGI front reads the body once, picks the server whose name (or `model_aliases`)
 matches, and replays the body to it. GET /v1/models lists every model, /health is 200 only when
 all are ready (each model's state in `models`), GET /admin/models merges every model's phases.
-Anything else (metrics, admin, a body without a known model) goes to the first model's app, so
-auth (401) still comes before the unknown model's 404 `model_not_found`.
+Anything else goes to the app of the model named by the query parameter `?model=` (admin routes:
+`POST /admin/cache/flush?model=coder`), else to the first model's app; so does a body without a
+known model, so auth (401) still comes before the unknown model's 404 `model_not_found`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -49,10 +51,11 @@ class ModelFront:
                 await (await answer(Request(scope, receive)))(scope, receive, send)
             # The first app would answer these for its own model only; the key check is repeated here.
             return await self._guarded(route, scope, receive, send, open_=path == "/health")
-        if method != "POST":
-            return await self.apps[0](scope, receive, send)
+        named = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[-1]
+        index = self.pick(named) or 0
+        if method != "POST" or named is not None:
+            return await self.apps[index](scope, receive, send)
         body, more = await _read(receive, self.limit)
-        index = 0
         if not more:
             with contextlib.suppress(ValueError, AttributeError, UnicodeDecodeError):
                 index = self.pick(json.loads(body).get("model")) or 0

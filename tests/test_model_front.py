@@ -75,6 +75,15 @@ def test_the_key_is_checked_before_the_model() -> None:
         assert r.status_code == 404
 
 
+def test_query_model_picks_the_app_of_other_routes() -> None:
+    front = _front()
+    with TestClient(front) as client:
+        client.get("/admin/cache?model=org/b")
+        assert _handled(front, "/admin/cache") == [0, 1]
+        client.get("/admin/cache")
+        assert _handled(front, "/admin/cache") == [1, 1]
+
+
 def test_an_oversized_body_is_413() -> None:
     front = _front(limits={"max_body_bytes": 1024})
     with TestClient(front) as client:
