@@ -7,11 +7,13 @@ once, at import, exactly as a replica or the CLI does.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -136,3 +138,30 @@ def test_tokenizer_only_leaves_the_weights(hub: Hub, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     names = {p.name for p in Path(out.stdout.strip()).iterdir()}
     assert "config.json" in names and "tokenizer.json" in names and "model.safetensors" not in names
+
+
+def test_two_replicas_of_one_host_download_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    hub = Hub(hold=threading.Event())  # the first download stops halfway until released
+    hub.add_dir("test-org/tiny", tiny_model_dir)
+    run = serve_hub(hub)
+    next(run)
+    try:
+        env = _env(hub.url, tmp_path)
+        code = "import sys; print('start', file=sys.stderr, flush=True)\n" + RESOLVE
+        procs = [subprocess.Popen([sys.executable, "-c", code, "test-org/tiny"], env=env, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        for p in procs:
+            assert p.stderr is not None and p.stderr.readline().strip() == "start"
+        while not any("model.safetensors" in r for r in _downloads(hub, "test-org/tiny")):
+            time.sleep(0.05)  # one process is downloading; the other is at the host's lock by now
+        time.sleep(1.0)
+        hub.hold.set()  # type: ignore[union-attr]
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        hub.hold.set()  # type: ignore[union-attr]
+        with contextlib.suppress(StopIteration):
+            next(run)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == outs[1][0]  # one snapshot directory
+    assert len([r for r in _downloads(hub, "test-org/tiny") if "model.safetensors" in r]) == 1
+    assert len([r for r in hub.requests if r.startswith("GET /api/models/test-org/tiny")]) == 3  # one process asked
