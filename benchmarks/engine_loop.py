@@ -96,6 +96,9 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
             warm = chat_prompts(engine.tokenizer, [[{"role": "user", "content": "warm up"}]] * 2)
             await closed_loop(engine, warm, 4, 2, "warm")
             for c in concurrencies:
+                # Cold at every level, as the HTTP servers are: a level run twice (side_by_side --warm)
+                # would otherwise find its own prompts in the prefix cache the second time.
+                await engine.clear_cache("all")
                 convs = build(suite.sweep_spec(c), maker)
                 prompts = chat_prompts(engine.tokenizer, [first_turn_messages(conv) for conv in convs])
                 out[str(c)] = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}")

@@ -49,7 +49,7 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
 
 def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[str, Any],
                   engine: dict[str, Any] | None = None, app_args: dict[str, Any] | None = None,
-                  name: str = "pomona") -> ServerSpec:
+                  name: str = "pomona", env: dict[str, str] | None = None) -> ServerSpec:
     if not SERVE_CONFIG.exists():
         return ServerSpec("pomona", ("true",), port, str(model_dir), extra_body,
                           skip_reason=f"{SERVE_CONFIG} does not exist yet (deployments not landed)")
@@ -75,5 +75,5 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
                            # the same auth mode for `ray start` and `serve run` (a ~/.ray/auth_token left by
                            # another Ray session would otherwise turn auth on for the head only)
                            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-                           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}, ready_timeout_s=900.0,
+                           "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", **(env or {})}, ready_timeout_s=900.0,
                       cleanup_marker=ray_tmp, display=f"{shlex.join(ray_start)}\n{shlex.join(serve_run)}")
