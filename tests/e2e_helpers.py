@@ -39,6 +39,18 @@ def tiny_args(model_dir: Path, **overrides: Any) -> dict[str, Any]:
     return args
 
 
+def long_context_copy(model_dir: Path, out: Path, context: int) -> Path:
+    """The tiny model with a longer context (same weights), so a stream can surely outlast a
+    drain or a kill: its 2,048 tokens take only seconds."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    return out
+
+
 def wait_healthy(base: str, timeout_s: float = 180.0, headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import pytest
 import yaml
 
 from benchmarks.fleet_cluster import local_cluster
-from e2e_helpers import ROOT, free_port, tiny_args, wait_healthy
+from e2e_helpers import ROOT, free_port, long_context_copy, tiny_args, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -41,13 +40,6 @@ def node():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     with local_cluster(("a",), cpus_per_node=2, port_base=21000 + (os.getpid() % 8) * 600) as (addr, _):
         yield addr
-
-
-def long_context_copy(model_dir: Path, out: Path) -> Path:
-    shutil.copytree(model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG + 1024}))
-    return out
 
 
 def write_config(path: Path, model_dir: Path, ssd_dir: Path, port: int) -> Path:
@@ -95,7 +87,7 @@ def events(lines: list[str]) -> list[dict]:
 def test_sigterm_drains_refuses_ends_the_rest_and_keeps_the_ssd_writes(node, tiny_model_dir, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    model = long_context_copy(tiny_model_dir, tmp_path / "model")
+    model = long_context_copy(tiny_model_dir, tmp_path / "model", LONG + 1024)
     config = write_config(tmp_path / "serve.yaml", model, tmp_path / "ssd", port)
     short, long_ = [], []
     with pomona_serve(config, node, tmp_path / "serve.log") as proc:

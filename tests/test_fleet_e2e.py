@@ -26,11 +26,12 @@ import pytest
 
 from benchmarks.fleet_cluster import local_cluster, node_pids
 from benchmarks.workloads import TextMaker, WorkloadSpec, first_turn_messages, prefix_workload
-from e2e_helpers import free_port, metric, tiny_args, wait_healthy
+from e2e_helpers import free_port, long_context_copy, metric, tiny_args, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 FLEET = {"router": "affinity", "stats_period_s": 1.0}
+LONG = 12_000  # tokens of the streams that must still run when their replica is killed
 SPEC = WorkloadSpec("fleet-prefix", "prefix", num_requests=32, input_len=24, output_len=4, prefix_len=256,
                     num_prefixes=4, seed=5)
 
@@ -39,18 +40,20 @@ def fleet_args(model_dir: Path, replicas: int) -> dict:
     llm = {"num_replicas": replicas, "num_cpus": 0.25, "resources": {"apple_silicon": 1},
            "max_replicas_per_node": 1}
     # A batch of 2: the failover test fills one replica with two streams, so more requests queue there.
-    engine = {"max_running": 2, "prefill_batch": 2}
+    engine = {"max_running": 2, "prefill_batch": 2, "max_tokens_limit": LONG}
     return tiny_args(model_dir, llm_server=llm, fleet=FLEET, engine=engine)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(tiny_model_dir, tmp_path_factory):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
+    # The victims of the failover test must outlast the setup around them (admin polls, a busy box).
+    tiny_model_dir = long_context_copy(tiny_model_dir, tmp_path_factory.mktemp("fleet") / "model", LONG + 1024)
     port = free_port()
     with local_cluster(("a", "b"), cpus_per_node=1, port_base=11000 + (os.getpid() % 8) * 1000) as (addr, nodes):
         ray.init(address=addr, configure_logging=False, log_to_driver=False)
@@ -184,7 +187,7 @@ def test_killed_replica_fails_over(cluster):
     # Two long streams fill one replica's batch (engine.max_running 2); affinity sends both there.
     victims = []
     for i in range(2):
-        victims.append(launch(f" Go on {i}.", 1500))
+        victims.append(launch(f" Go on {i}.", LONG))
         wait_for(base, lambda: len(chunks(victims[-1])) >= 2, f"stream {i} to start")
     ids = {chunks(v)[0]["id"] for v in victims}
     where = wait_for(base, lambda: (w := replica_of(base, ids)) and len(w) == 2 and w, "/admin/requests to list both")
