@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = Path(args.model_dir)
     app_args, env = VARIANTS[args.variant]
     spec = pomona_server(model, args.port, Path("/tmp/prof-run"), eos_extra_body("ignore_eos", []),
-                         engine={"max_running": 128}, app_args=app_args)
+                         engine={"max_running": 128}, app_args=app_args,
+                         name=f"pomona-{args.variant}")  # its own SSD cache directory: cold prompts
     spec = replace(spec, env={**spec.env, **env})
     suite = full_suite()
     maker = TextMaker(model)

@@ -20,7 +20,8 @@ APPLE_SILICON_RESOURCE = "apple_silicon"  # what deployments.settings asks the L
 
 
 def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SERVE_CONFIG,
-                     engine: dict[str, Any] | None = None, app_args: dict[str, Any] | None = None) -> Path:
+                     engine: dict[str, Any] | None = None, app_args: dict[str, Any] | None = None,
+                     name: str = "pomona") -> Path:
     """serve_config.yaml with http_options on `port`, every application's model = `model_dir`,
     `engine` (EngineConfig fields) laid over its engine settings and `app_args` over its args."""
     import yaml
@@ -39,10 +40,10 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
         if cache.get("ssd_dir"):
             # Keep the SSD tier as configured, but empty: the default directory outlives runs, and an
             # earlier run's entries would turn this run's "cold" prompts into SSD hits.
-            cache["ssd_dir"] = str(run_dir / "pomona-ssd-cache")
+            cache["ssd_dir"] = str(run_dir / f"{name}-ssd-cache")  # one per server: not each other's hits
         app["args"] = args
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "pomona_serve_config.yaml"
+    out = run_dir / f"{name}_serve_config.yaml"
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out
 
@@ -53,7 +54,7 @@ def pomona_server(model_dir: Path, port: int, run_dir: Path, extra_body: dict[st
     if not SERVE_CONFIG.exists():
         return ServerSpec("pomona", ("true",), port, str(model_dir), extra_body,
                           skip_reason=f"{SERVE_CONFIG} does not exist yet (deployments not landed)")
-    config = generated_config(model_dir, port, run_dir, engine=engine, app_args=app_args)
+    config = generated_config(model_dir, port, run_dir, engine=engine, app_args=app_args, name=name)
     # Short path: Ray's socket paths must stay under the 107-byte limit of AF_UNIX addresses.
     ray_tmp = f"/tmp/pomona-bench-ray-{port}"
     # Ports of our own, outside Ray's defaults (6379, 10001, 52365, workers 10002-19999), so a
