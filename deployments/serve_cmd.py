@@ -30,24 +30,38 @@ DEFAULT_DRAIN_S = 30.0  # AppSettings.drain_s
 
 
 def draining_config(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """The config with every Pomona app's LLMServer told to drain, and the longest `drain_s`."""
+    """The config with every LLM server deployment of each Pomona app told to drain, and the longest
+    `drain_s`. (The shared multiplexed deployment of a `models:` list is not told: Serve's own stop
+    drains it, see README.)"""
     out = dict(config)
     apps, longest = [], 0.0
     for app in config.get("applications", []):
         app = dict(app)
         if app.get("import_path") == APP_IMPORT:
-            deployments = [d for d in app.get("deployments", []) if d.get("name") != "LLMServer"]
-            user_config = {**_llm_override(app).get("user_config", {}), "draining": True}
-            app["deployments"] = deployments + [{**_llm_override(app), "name": "LLMServer",
-                                                  "user_config": user_config}]
-            longest = max(longest, float((app.get("args") or {}).get("drain_s", DEFAULT_DRAIN_S)))
+            names, drain_s = _llm_deployments(app.get("args") or {})
+            kept = [d for d in app.get("deployments", []) if d.get("name") not in names]
+            told = []
+            for name in names:
+                override = next((d for d in app.get("deployments", []) if d.get("name") == name), {})
+                told.append({**override, "name": name,
+                             "user_config": {**override.get("user_config", {}), "draining": True}})
+            app["deployments"] = kept + told
+            longest = max(longest, drain_s)
         apps.append(app)
     out["applications"] = apps
     return out, longest
 
 
-def _llm_override(app: dict[str, Any]) -> dict[str, Any]:
-    return next((d for d in app.get("deployments", []) if d.get("name") == "LLMServer"), {})
+def _llm_deployments(args: dict[str, Any]) -> tuple[list[str], float]:
+    """The app's pinned LLM server deployments (names as deployments/app.py gives them) and their
+    longest drain."""
+    from deployments.model_list import deployment_name, plan
+
+    models = plan(args)
+    if len(models.models) == 1 and not models.multiplexed:
+        return ["LLMServer"], models.models[0].drain_s
+    pinned = models.pinned()
+    return [deployment_name(s) for s in pinned], max((s.drain_s for s in pinned), default=DEFAULT_DRAIN_S)
 
 
 def _serve_run(args: list[str], **kwargs: Any) -> subprocess.Popen:
