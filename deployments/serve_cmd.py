@@ -32,7 +32,7 @@ DEFAULT_DRAIN_S = 30.0  # AppSettings.drain_s
 def draining_config(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """The config with every LLM server deployment of each Pomona app told to drain, and the longest
     `drain_s`. (The shared multiplexed deployment of a `models:` list is not told: Serve's own stop
-    drains it, see README.)"""
+    drains it.)"""
     out = dict(config)
     apps, longest = [], 0.0
     for app in config.get("applications", []):
