@@ -54,6 +54,21 @@ def pids_of(name: str) -> list[int]:
     return found
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of `pid` so far (/proc/PID/task/TID/stat: utime + stime), by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = collections.Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def summarize(path: Path, top: int = 12) -> list[str]:
     """py-spy raw lines: 'thread (idle);frame;frame... count' -> per-thread share and top self frames."""
     threads: collections.Counter = collections.Counter()
@@ -110,15 +125,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ["py-spy", "record", "--pid", str(pid), "--duration", str(args.seconds), "--rate", "200",
                      "--format", "raw", "--threads", "--nonblocking", "-o", str(dest)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        watched = {f"{n.split(':')[-1]}{i or ''}": pid for n in PROCESSES for i, pid in enumerate(pids_of(n))}
+        threads0 = {k: thread_cpu(pid) for k, pid in watched.items()}
         cpu0, t0 = running.cpu(), time.perf_counter()
         agg = run_workload(cfg, build(suite.sweep_spec(c), maker), f"c={c}", concurrency=c)
         wall = time.perf_counter() - t0
         cpu = diff(running.cpu(), cpu0)
+        threads = {k: {t: v - threads0[k].get(t, 0.0) for t, v in thread_cpu(pid).items()}
+                   for k, pid in watched.items()}
         for _, _, proc in spies:
             proc.wait(timeout=60)
     print(f"[{args.variant}] c={c}: {agg['output_throughput']:.0f} tok/s, TPOT p50 {agg['tpot_ms']['p50']:.1f} ms, "
           f"chunk gap p50 {agg['itl_ms']['p50']:.1f} ms; CPU s over {wall:.0f} s: "
           + ", ".join(f"{k} {v:.1f}" for k, v in list(cpu.items())[:6]))
+    for proc_name, by_thread in threads.items():  # measured CPU, not samples: py-spy counts some waits
+        busy = sorted(((v, t) for t, v in by_thread.items() if v >= 0.05 * wall / 100), reverse=True)[:8]
+        print(f"{proc_name} thread CPU over the load (cores): "
+              + ", ".join(f"{t} {v / wall:.2f}" for v, t in busy))
     print("py-spy (samples of threads not idle, 200/s):")
     for name, dest, proc in spies:
         err = proc.stderr.read().decode(errors="replace")[-300:] if proc.stderr else ""
