@@ -5,6 +5,10 @@ llama forward pass calls it for SiLU in every MLP and for the softmax in every a
 (`mx.fast.scaled_dot_product_attention` falls back to a precise softmax on the CPU).
 These subclasses of mlx-lm's own `Attention` and `MLP` keep their parameters and their call
 signature and change only how two functions are evaluated: SiLU and softmax, from `fast_exp`.
+The softmax path is for decode-sized queries only (at most `FAST_ATTENTION_MAX_QUERIES` per
+sequence): it materialises the scores, and for a prefill chunk at a long context (256 queries
+against 2-5k keys, an agent's follow-up turn) that memory traffic cost 1.5-3.8x the CPU time of
+MLX's own `scaled_dot_product_attention`, which it then uses (benchmarks/attention_paths.py).
 Quantized KV caches go to mlx-lm's code unchanged. (A table of rope cosines and sines was tried
 and measured no faster than `mx.fast.rope`: rope is a small share of the step.)
 
@@ -24,6 +28,10 @@ from mlx_lm.models import llama
 from engine.cpu_kernels import silu_mul, softmax
 
 log = logging.getLogger("pomona.models")
+
+# Queries per sequence up to which `attention` beats MLX's SDPA on the CPU (measured at 4k keys:
+# 16 queries 0.58x its CPU time, 32 0.92x, 64 1.39x, 256 1.5x).
+FAST_ATTENTION_MAX_QUERIES = 32
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
@@ -68,7 +76,10 @@ class CpuAttention(llama.Attention):
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
-        out = attention(q, k, v, self.scale, mask)
+        if L <= FAST_ATTENTION_MAX_QUERIES:
+            out = attention(q, k, v, self.scale, mask)
+        else:  # a prefill chunk: MLX's SDPA streams the scores instead of materialising them
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

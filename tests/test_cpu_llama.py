@@ -152,3 +152,22 @@ def _flat(model):
     from mlx.utils import tree_flatten
 
     return tree_flatten(model.parameters())
+
+
+def test_prefill_chunks_use_mlx_sdpa_and_decode_the_fast_softmax(models, monkeypatch) -> None:
+    """The materialised softmax is for decode-sized queries only: at prefill sizes it cost 1.5-3.8x
+    the CPU time of MLX's SDPA (benchmarks/attention_paths.py). Same logits either way."""
+    import engine.cpu_llama as cpu_llama
+
+    ref, fast = models
+    calls: list[int] = []
+    real = cpu_llama.attention
+    monkeypatch.setattr(cpu_llama, "attention", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    n = cpu_llama.FAST_ATTENTION_MAX_QUERIES + 8
+    prompt = mx.array([[i % 200 + 3 for i in range(n)]])
+    caches = make_prompt_cache(fast), make_prompt_cache(ref)
+    got, want = fast(prompt, cache=caches[0]), ref(prompt, cache=caches[1])
+    assert calls == [] and mx.allclose(got, want, atol=1e-4).item()
+    step = mx.array([[7]])
+    got, want = fast(step, cache=caches[0]), ref(step, cache=caches[1])
+    assert calls == [1] * len(fast.model.layers) and mx.allclose(got, want, atol=1e-4).item()
