@@ -4,24 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
 from deployments.http_app import ApiKeyMiddleware, OpenAIServer
 from deployments.metrics import IngressMetrics
 from deployments.settings import AppSettings
-
-
-class NoReplica:
-    """What the ingress sees while no LLM server replica is up: every call fails."""
-
-    def stream(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str):
-        raise AssertionError("must not be called while not ready")
-
-    async def info(self) -> dict[str, Any]:
-        raise RuntimeError("no replica")
-
-    async def stats(self) -> dict[str, Any]:
-        raise RuntimeError("no replica")
 
 
 def test_503_until_a_replica_can_serve():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
 from deployments.http_app import OpenAIServer
@@ -11,20 +12,11 @@ from deployments.model_front import ModelFront
 from deployments.settings import AppSettings
 
 
-class Loading:
+class Loading(NoReplica):
     """A model whose replica is still downloading: not ready, and the status board says how far."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-    def stream(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str):
-        raise AssertionError("must not be called while not ready")
-
-    async def info(self) -> dict[str, Any]:
-        raise RuntimeError("no replica")
-
-    async def stats(self) -> dict[str, Any]:
-        raise RuntimeError("no replica")
 
     async def model_status(self) -> list[dict[str, Any]]:
         return [{"model": self.name, "phase": "downloading", "bytes_done": 10**6, "bytes_total": 4 * 10**6,
