@@ -30,7 +30,11 @@ from e2e_helpers import free_port, long_context_copy, metric, tiny_args, wait_he
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-FLEET = {"router": "affinity", "stats_period_s": 1.0}
+# Saturation 8: a replica's load as Serve's queue-length probe sees it counts every call in flight
+# there, the /admin/requests polls of the failover test included; at the default 4 the second
+# waiting request spilled to the other replica (2 streams + 1 waiting + 1 admin call), and the
+# test waited in vain for two queued requests on the victim.
+FLEET = {"router": "affinity", "stats_period_s": 1.0, "saturation": 8}
 LONG = 12_000  # tokens of the streams that must still run when their replica is killed
 SPEC = WorkloadSpec("fleet-prefix", "prefix", num_requests=32, input_len=24, output_len=4, prefix_len=256,
                     num_prefixes=4, seed=5)
