@@ -4,7 +4,7 @@
 
 Prints process CPU time per call (less sensitive than wall time to a shared box) for decode-sized
 and prefill-sized queries against 4-5k keys, SmolLM2-135M's head layout (9 query, 3 KV heads, dim
-64). `engine.cpu_llama.FAST_ATTENTION_MAX_QUERIES` is set from where the ratio crosses 1.
+64). `modelio.cpu_llama.FAST_ATTENTION_MAX_QUERIES` is set from where the ratio crosses 1.
 Measured 2026-12-02 on the 2-core box: 1 query 0.94x, 16 0.58x, 32 0.92x, 64 1.39x, 256 1.5x,
 350 (vs 4,750 keys) 1.5-1.9x, 2,048 3.8x (ours / SDPA).
 """
@@ -15,7 +15,7 @@ import time
 
 import mlx.core as mx
 
-from engine.cpu_llama import attention
+from modelio.cpu_llama import attention
 
 SHAPES = ((1, 4096), (8, 4096), (16, 4096), (32, 4096), (64, 4096), (256, 4608), (350, 4750))
 

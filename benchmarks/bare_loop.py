@@ -83,7 +83,7 @@ def load(model_dir: str) -> tuple[Any, Any]:
     ratio of Pomona over HTTP to this loop is the cost of the serving stack alone."""
     from pathlib import Path
 
-    from engine.models import load_model
+    from modelio.models import load_model
 
     loaded = load_model(Path(model_dir))
     return loaded.model, loaded.tokenizer

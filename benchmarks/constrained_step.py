@@ -28,7 +28,7 @@ PROMPT = "List, as a JSON array of strings, every fruit you can think of."
 
 
 def agent_tools() -> list[Any]:
-    from deployments.conversation import Tool
+    from api.conversation import Tool
 
     def obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
         return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
@@ -53,8 +53,8 @@ def agent_tools() -> list[Any]:
 def compile_times(tokenizer: Any) -> dict[str, float]:
     from llguidance import LLMatcher
 
-    from deployments.conversation import ToolChoice
-    from deployments.grammars import tool_grammar
+    from api.conversation import ToolChoice
+    from api.grammars import tool_grammar
     from engine.constraints import ConstraintFactory
 
     factory = ConstraintFactory(tokenizer)
@@ -81,8 +81,8 @@ def compile_times(tokenizer: Any) -> dict[str, float]:
 
 
 def _fill(engine: Any, n: int, constrained: bool, max_tokens: int) -> None:
-    from deployments.conversation import OutputFormat
-    from deployments.grammars import answer_grammar
+    from api.conversation import OutputFormat
+    from api.grammars import answer_grammar
     from engine.constraints import build_constraint
     from engine.types import Request, SamplingParams
 
@@ -140,9 +140,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     args = parser.parse_args()
     ensure_blas()
-    from engine.config import CacheConfig, EngineConfig
+    from cache_tiers.config import CacheConfig
+    from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.models import load_model, resolve_model
+    from modelio.models import load_model, resolve_model
 
     loaded = load_model(resolve_model("default"))
     config = EngineConfig(model="default", cache=CacheConfig(enabled=False), max_running=max(args.concurrency))

@@ -16,7 +16,9 @@ import random
 import statistics
 import time
 
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+
+from engine.config import EngineConfig
 from engine.loop import AsyncEngine
 from engine.types import Request, SamplingParams
 

@@ -169,7 +169,8 @@ class EngineSession:
 
     def __init__(self, model: Any, tokenizer: Any, cfg: argparse.Namespace, n: int) -> None:
         from cache_tiers.store import NullStore
-        from engine.config import CacheConfig, EngineConfig
+        from cache_tiers.config import CacheConfig
+        from engine.config import EngineConfig
         from engine.loop import AsyncEngine, Loaded
 
         self.n, self.tokenizer = n, tokenizer

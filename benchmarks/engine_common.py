@@ -26,18 +26,18 @@ def ensure_blas() -> None:
 
 
 def engine_loader(model: str) -> Callable[[Any], Any]:
-    """Pomona's own loader (engine.models: "default", float32 on CPU) when it exists; otherwise an
+    """Pomona's own loader (modelio.models: "default", float32 on CPU) when it exists; otherwise an
     mlx-lm directory loaded as it is (the float32 copy from benchmarks.models)."""
     from engine.loop import Loaded
 
     try:
         from engine.loop import default_loader
-        import engine.models  # noqa: F401 - only to know whether Pomona's loader is available
+        import modelio.models  # noqa: F401 - only to know whether Pomona's loader is available
 
         return default_loader
     except ImportError:
         if model == "default":
-            raise SystemExit("engine.models has not landed: pass --model DIR (an mlx-lm directory)")
+            raise SystemExit("modelio.models has not landed: pass --model DIR (an mlx-lm directory)")
 
     def load(config: Any) -> Loaded:
         import mlx_lm

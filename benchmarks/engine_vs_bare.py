@@ -22,7 +22,8 @@ from benchmarks.engine_common import EngineRun, engine_loader, ensure_blas, rand
 
 
 def _engine(model: str, loader: Any, max_running: int) -> Any:
-    from engine.config import CacheConfig, EngineConfig
+    from cache_tiers.config import CacheConfig
+    from engine.config import EngineConfig
     from engine.loop import AsyncEngine
 
     config = EngineConfig(model=model, cache=CacheConfig(enabled=False), max_running=max(32, max_running))

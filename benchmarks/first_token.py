@@ -23,7 +23,8 @@ from benchmarks.engine_common import engine_loader, ensure_blas
 
 
 def _engine(model: str, loader: Any, direct: str | None) -> Any:
-    from engine.config import CacheConfig, EngineConfig
+    from cache_tiers.config import CacheConfig
+    from engine.config import EngineConfig
     from engine.loop import AsyncEngine
 
     cache = CacheConfig(ram_bytes=512 * 2**20)

@@ -56,7 +56,7 @@ def resolve_model(name: str) -> str:
 
 
 def workload(model: str, args: argparse.Namespace) -> list[Any]:
-    from deployments.engine_host import load_tokenizer
+    from modelio.models import tokenizer_for as load_tokenizer
 
     spec = WorkloadSpec("fleet-prefix", "prefix", num_requests=args.prefixes * args.per_prefix,
                         input_len=args.question_len, output_len=args.output_len, prefix_len=args.prefix_len,

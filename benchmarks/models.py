@@ -15,8 +15,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
 
 
 def default_model_dir() -> Path:
-    """The default model's mlx-lm directory, converted by engine.models on first use."""
-    from engine.models import resolve_model
+    """The default model's mlx-lm directory, converted by modelio.models on first use."""
+    from modelio.models import resolve_model
 
     return Path(resolve_model("default"))
 
@@ -43,7 +43,7 @@ def float32_copy(src: str | Path, dst: str | Path | None = None, force: bool = F
     save_model(dst, model)
     skip = {"config.json", "model.safetensors.index.json"}
     for f in src.iterdir():
-        # pomona_* files are engine.models' build records of the source dir, not of this copy.
+        # pomona_* files are modelio.models' build records of the source dir, not of this copy.
         if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and f.name not in skip \
                 and not f.name.startswith("pomona_"):
             shutil.copy2(f, dst / f.name)

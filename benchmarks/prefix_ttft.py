@@ -26,7 +26,8 @@ from benchmarks.engine_common import engine_loader, ensure_blas, random_prompts,
 
 
 async def _phase(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.config import CacheConfig, EngineConfig
+    from cache_tiers.config import CacheConfig
+    from engine.config import EngineConfig
     from engine.loop import AsyncEngine
 
     cache = CacheConfig(enabled=True, ssd_dir=args.ssd_dir)

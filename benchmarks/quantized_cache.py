@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+
+from engine.config import EngineConfig
 from engine.loop import AsyncEngine
 from engine.types import Request, SamplingParams
 

@@ -40,8 +40,8 @@ def build_app(step_s: float, items_per_s: float) -> Any:
 
     from deployments.engine_host import EngineHost, StreamPacing
     from deployments.ingress import HandleBackend
-    from deployments.metrics import IngressMetrics
-    from deployments.streaming import SSEResponse, Tracker, sse_events
+    from api.metrics import IngressMetrics
+    from api.streaming import SSEResponse, Tracker, sse_events
     from engine.config import EngineConfig
 
     from benchmarks.token_path_engine import SyntheticEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from engine.config import CacheConfig
+from cache_tiers.config import CacheConfig
 
 from .quant import QuantPolicy
 from .ram import RamTier

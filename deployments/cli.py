@@ -89,7 +89,7 @@ def pull_model(name: str) -> int:
     """Download with one bytes progress bar on stderr; print the snapshot directory on stdout."""
     from tqdm.auto import tqdm
 
-    from engine.hub import HubModelError, pull
+    from modelio.hub import HubModelError, pull
 
     bar: tqdm | None = None
 

@@ -1,13 +1,6 @@
 """Hosts an `AsyncEngine` behind a plain-data interface (no Ray): what the LLM server deployment exposes.
 
-Everything crossing a process boundary is plain dicts and lists, so the ingress and the LLM server
-need not agree on class versions and a pickled event stays small.
-
-Wire format of `stream()`: first either a rejection `{"rejected": {"kind", "message", "retry_after_s"}}`
-(nothing was generated; the ingress answers with an HTTP status), or lists of events
-`{"text", "token", "lp", "finish", "usage", "error", "code", "stop_str"}`; the last event of the last list
-has `finish`. Sampling settings travel as `sampling_to_wire`'s dict (`logit_bias` as [token, bias] pairs,
-`grammar` as the llguidance grammar string).
+The data crossing to the ingress is api/wire.py's format: rejections, lists of events, sampling dicts.
 """
 
 from __future__ import annotations
@@ -17,12 +10,13 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+from api.wire import event_to_wire, rejection, sampling_from_wire
 from engine.config import EngineConfig
-from engine.types import (ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError, Request,
-                          SamplingParams, TokenEvent)
+from engine.types import EngineClosedError, InvalidRequestError, Request
+from modelio.models import openblas_loaded
 
 log = logging.getLogger("pomona.llm_server")
 
@@ -51,60 +45,6 @@ class StreamPacing:
         if self.items_per_s <= 0:
             return 0.0
         return min(max(active, 1) / self.items_per_s, self.max_interval_s)
-
-
-def event_to_wire(event: TokenEvent) -> dict[str, Any]:
-    lp = event.logprob
-    return {
-        "text": event.text,
-        "token": event.token_id,
-        "lp": None if lp is None else {"id": lp.token_id, "lp": lp.logprob, "top": [list(t) for t in lp.top]},
-        "finish": None if event.finish_reason is None else event.finish_reason.value,
-        "usage": None if event.usage is None else {
-            "prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens,
-            "cached_tokens": event.usage.cached_tokens, "cache_tier": event.usage.cache_tier},
-        "error": event.error,
-        "code": event.error_code,  # "timeout", "reset", ...: the ingress picks the HTTP status from it
-        "stop_str": event.stop_string,  # the stop string that ended the request, if one did
-    }
-
-
-def rejection(exc: Exception) -> dict[str, Any]:
-    """An exception raised before the first event -> a wire rejection the ingress maps to a status."""
-    if isinstance(exc, OverloadedError):
-        kind, retry = "overloaded", exc.retry_after_s
-    elif isinstance(exc, ContextLengthError):
-        kind, retry = "context_length", 0.0
-    elif isinstance(exc, EngineClosedError):
-        kind, retry = "closed", 1.0
-    else:
-        kind, retry = "invalid", 0.0
-    return {"rejected": {"kind": kind, "message": str(exc), "retry_after_s": retry}}
-
-
-def sampling_from_wire(params: Mapping[str, Any]) -> SamplingParams:
-    values = dict(params)
-    for name in ("stop", "stop_token_ids"):
-        if name in values:
-            values[name] = tuple(values[name])
-    if "logit_bias" in values:  # pairs come back as lists (JSON) or a {token: bias} mapping
-        bias = values["logit_bias"]
-        pairs = bias.items() if isinstance(bias, Mapping) else bias
-        values["logit_bias"] = tuple((int(t), float(b)) for t, b in pairs)
-    return SamplingParams(**values)
-
-
-def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return asdict(params)
-
-
-def openblas_loaded() -> bool | None:
-    """Whether OpenBLAS is mapped into this process (Linux only; None where it cannot be told)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            return "libopenblas" in maps.read()
-    except OSError:
-        return None
 
 
 class EngineHost:
@@ -190,15 +130,15 @@ class EngineHost:
             await _close_quietly(batches)
 
     async def routing_stats(self) -> dict[str, Any]:
-        """Published to request routers (deployments/router.py): load, and the prefix blocks held."""
+        """Published to request routers (fleet/router.py): load, and the prefix blocks held."""
         stats = self.engine.stats()
         return {"waiting": int(stats.get("waiting", 0)), "running": int(stats.get("running", 0)),
                 "block_size": self.config.cache.block_size, "prefix_blocks": await self.prefix_blocks()}
 
     async def prefix_blocks(self) -> list[str]:
-        """Block hashes (deployments/fleet_keys.py) of what the prefix store's RAM tier holds.
+        """Block hashes (fleet/keys.py) of what the prefix store's RAM tier holds.
         The store lives on the MLX thread, so its entries are listed there; hashing runs here."""
-        from deployments.fleet_keys import MAX_REPORTED_ENTRIES, held_hashes
+        from fleet.keys import MAX_REPORTED_ENTRIES, held_hashes
 
         if not self.engine.ready or not hasattr(self.engine, "call"):
             return []  # still loading, or a test double without an MLX thread
@@ -218,7 +158,7 @@ class EngineHost:
         await asyncio.wait_for(self.engine.call(lambda engine: None), HEALTH_PROBE_TIMEOUT_S)
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """Status and cache administration for deployments/admin.py; tagged with this replica's pid."""
+        """Status and cache administration for api/admin.py; tagged with this replica's pid."""
         engine = self.engine
         if action == "requests":
             result: dict[str, Any] = {"requests": await engine.requests_status()}
@@ -246,16 +186,3 @@ async def _close_quietly(gen: Any) -> None:
         await gen.aclose()
     except (RuntimeError, asyncio.CancelledError):  # already running/closed elsewhere
         pass
-
-
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer alone (no weights), for the ingress to apply chat templates and count tokens."""
-    try:
-        from engine.models import load_tokenizer as load, resolve_model
-    except ImportError:  # engine.models not available: a local mlx-lm directory still works
-        from pathlib import Path
-
-        from mlx_lm.utils import load_tokenizer as load
-
-        return load(Path(os.path.expanduser(model)))
-    return load(resolve_model(model, weights=False))  # a hub model: its tokenizer files only

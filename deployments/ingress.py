@@ -12,11 +12,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
-from deployments.engine_host import load_tokenizer
-from deployments.errors import ApiError, overloaded, server_error, unavailable
-from deployments.fleet_failover import retry_before_first
-from deployments.http_app import OpenAIServer
-from deployments.settings import AppSettings
+from modelio.models import tokenizer_for
+from api.errors import ApiError, overloaded, server_error, unavailable
+from deployments.failover import retry_before_first
+from api.server import OpenAIServer
+from api.settings import AppSettings
 
 log = logging.getLogger("pomona.ingress")
 
@@ -40,7 +40,7 @@ class HandleBackend:
 
     async def stream(self, prompt_tokens: list[int], params: dict[str, Any],
                      request_id: str) -> AsyncIterator[Any]:
-        """A replica that dies before the first event is replaced once (deployments/fleet_failover.py)."""
+        """A replica that dies before the first event is replaced once (deployments/failover.py)."""
         async for item in retry_before_first(
                 lambda attempt: self._stream_once(prompt_tokens, params,
                                                   request_id if not attempt else f"{request_id}-retry{attempt}"),
@@ -71,13 +71,13 @@ class HandleBackend:
         return await self._handle.stats.remote()
 
     async def model_status(self) -> list[dict[str, Any]]:
-        """Every replica's model phase (downloading, loading, ...) from deployments/model_status.py's board."""
-        from deployments.model_status import read_board
+        """Every replica's model phase (downloading, loading, ...) from api/model_status.py's board."""
+        from api.model_status import read_board
 
         return await read_board()
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """One replica's status or cache administration (deployments/admin.py fans out)."""
+        """One replica's status or cache administration (api/admin.py fans out)."""
         try:
             return await self._handle.admin.remote(action, tier)
         except (RayActorError, RayTaskError, BackPressureError, DeploymentUnavailableError,
@@ -91,7 +91,7 @@ class Ingress:
     def __init__(self, llm: DeploymentHandle, settings: AppSettings) -> None:
         keys = settings.all_api_keys()  # read here: env and key file of the replica's node
         backend = HandleBackend(llm)
-        self._server = OpenAIServer(settings, backend, functools.partial(load_tokenizer, settings.model), api_keys=keys)
+        self._server = OpenAIServer(settings, backend, functools.partial(tokenizer_for, settings.model), api_keys=keys)
         backend.on_failover = self._server.metrics.failover
         log.info("ingress for %s: %d API key(s) configured", settings.served_name(), len(keys))
 

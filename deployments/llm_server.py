@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.engine_host import EngineHost, StreamPacing
-from deployments.model_status import ModelStatus
-from deployments.settings import AppSettings
+from api.model_status import ModelStatus
+from api.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
 
@@ -70,7 +70,7 @@ class LLMServer:
         return await self._host.routing_stats()
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """Per-request status and cache administration (deployments/admin.py asks every replica)."""
+        """Per-request status and cache administration (api/admin.py asks every replica)."""
         return await self._host.admin(action, tier)
 
     async def check_health(self) -> None:

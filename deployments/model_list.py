@@ -23,11 +23,11 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from deployments.settings import AppSettings, ReplicaSettings
+from api.settings import AppSettings, ReplicaSettings
 
 PER_MODEL = frozenset({"model", "served_model_name", "model_aliases", "tool_parser", "engine", "llm_server",
                        "multiplexed"})
-DEFAULT_RAM_FRACTION = 0.1  # engine.config.CacheConfig's default
+DEFAULT_RAM_FRACTION = 0.1  # cache_tiers.config.CacheConfig's default
 
 
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

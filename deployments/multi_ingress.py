@@ -1,4 +1,4 @@
-"""The ingress of an app with several models: one OpenAI app per model behind deployments/model_front.py."""
+"""The ingress of an app with several models: one OpenAI app per model behind api/model_front.py."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
-from deployments.engine_host import load_tokenizer
-from deployments.http_app import OpenAIServer
+from modelio.models import tokenizer_for
+from api.server import OpenAIServer
 from deployments.ingress import HandleBackend
-from deployments.model_front import ModelFront
-from deployments.settings import AppSettings
+from api.model_front import ModelFront
+from api.settings import AppSettings
 
 log = logging.getLogger("pomona.ingress")
 
@@ -27,7 +27,7 @@ class MultiIngress:
         # A multiplexed model's requests carry its name: Serve routes them to a replica holding it.
         handles = [h.options(multiplexed_model_id=s.served_name()) if s.served_name() in multiplexed else h
                    for s, h in zip(settings, llms)]
-        servers = [OpenAIServer(s, HandleBackend(handle), functools.partial(load_tokenizer, s.model), api_keys=keys)
+        servers = [OpenAIServer(s, HandleBackend(handle), functools.partial(tokenizer_for, s.model), api_keys=keys)
                    for s, handle in zip(settings, handles)]
         self._front = ModelFront(servers)
         log.info("ingress for %s: %d API key(s) configured", [s.served_name() for s in settings], len(keys))

@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.engine_host import EngineHost, StreamPacing
-from deployments.model_status import ModelStatus
-from deployments.settings import AppSettings
+from api.model_status import ModelStatus
+from api.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
 
@@ -94,7 +94,7 @@ class MultiplexedLLMServer:
             yield item
 
     async def info(self) -> dict[str, Any]:
-        from engine.models import context_length_of, resolve_model
+        from modelio.models import context_length_of, resolve_model
 
         name, settings = self._settings()
         if name in self._loaded:

@@ -3,47 +3,15 @@
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from cache_tiers.config import CacheConfig
 
 
 class SchedulingPolicy(str, enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Prefix-cache tiers. `ram_bytes=None` means a fraction (`ram_fraction`) of the machine's memory."""
-
-    enabled: bool = True
-    ram_bytes: int | None = None
-    ram_fraction: float = 0.1
-    ssd_dir: str | None = None  # None: no SSD tier
-    ssd_bytes: int = 8 * 2**30
-    block_size: int = 64  # tokens per hash-chain block on the SSD tier
-    # Shorter prefixes are recomputed, not restored. 16 serves the chat template's default system
-    # prompt (SmolLM2: 24 tokens) from the cache, as mlx_lm.server does.
-    min_restore_tokens: int = 16
-    write_queue: int = 64
-    quantize_bits: int | None = None  # 4 or 8: quantize stored entries
-    quantize_group_size: int = 64
-    quantize_min_tokens: int = 256
-
-    def __post_init__(self) -> None:
-        if self.ssd_dir is not None:  # "~/.cache/..." in YAML means the serving user's home
-            object.__setattr__(self, "ssd_dir", os.path.expanduser(self.ssd_dir))
-        if self.ram_bytes is not None and self.ram_bytes < 0:
-            raise ValueError("cache.ram_bytes must be >= 0")
-        if not 0.0 <= self.ram_fraction <= 0.9:
-            raise ValueError("cache.ram_fraction must be in [0, 0.9]")
-        if self.block_size < 1:
-            raise ValueError("cache.block_size must be >= 1")
-        if self.quantize_bits not in (None, 4, 8):
-            raise ValueError("cache.quantize_bits must be 4, 8 or null")
-        if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports
-            raise ValueError("cache.quantize_group_size must be 32, 64 or 128")
 
 
 @dataclass(frozen=True)
@@ -76,7 +44,7 @@ class EngineConfig:
     max_kv_size: int | None = None  # rotating KV cache bound per request (tokens)
     request_timeout_s: float | None = 600.0
     dtype: str | None = None  # None: float32 on CPU, keep checkpoint dtype/quantization on GPU
-    # CPU backend, float32 llama models: SiLU and softmax from multiply-adds (engine.cpu_kernels),
+    # CPU backend, float32 llama models: SiLU and softmax from multiply-adds (modelio.cpu_kernels),
     # since MLX's CPU exp is scalar; within 3e-7 of exp, greedy outputs unchanged. No effect on GPUs.
     cpu_fast_paths: bool = True
     warmup_prompts: tuple[str, ...] = ()

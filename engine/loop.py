@@ -48,7 +48,7 @@ StoreFactory = Callable[[EngineConfig, Loaded], PrefixStore]
 
 
 def default_loader(config: EngineConfig) -> Loaded:
-    from engine.models import load_model, resolve_model
+    from modelio.models import load_model, resolve_model
 
     loaded = load_model(resolve_model(config.model), config.dtype, config.cpu_fast_paths)
     return Loaded(loaded.model, loaded.tokenizer, loaded.context_length, config.model, loaded.fingerprint)

@@ -90,9 +90,10 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None, r
     `raise_app_exceptions=False` the client gets the 500 the server sends, as over a socket."""
     from engine.loop import AsyncEngine
     from engine_helpers import tiny_loader
-    from deployments.engine_host import EngineHost, load_tokenizer
-    from deployments.http_app import OpenAIServer
-    from deployments.settings import AppSettings
+    from deployments.engine_host import EngineHost
+    from modelio import models
+    from api.server import OpenAIServer
+    from api.settings import AppSettings
 
     from e2e_helpers import tiny_args
 
@@ -100,7 +101,7 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None, r
     factory = None if wrap is None else (lambda config: AsyncEngine(config, loader=tiny_loader(model_dir, wrap)))
     host = EngineHost(settings.engine, engine_factory=factory)
     await host.start()
-    server = OpenAIServer(settings, AsyncReplica(host), lambda: load_tokenizer(str(model_dir)),
+    server = OpenAIServer(settings, AsyncReplica(host), lambda: models.tokenizer_for(str(model_dir)),
                           api_keys=settings.api_keys)
     try:
         await server.refresh()

@@ -9,7 +9,8 @@ from typing import Any
 import mlx_lm
 
 from cache_tiers.store import NullStore
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+from engine.config import EngineConfig
 from engine.loop import AsyncEngine, Loaded
 from engine.types import Request, SamplingParams, TokenEvent
 

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent_helpers import SCHEMAS
-from deployments.anthropic_api import BlockWriter, content_blocks, error_event, stop_reason, tool_use_id, usage_body
-from deployments.anthropic_request import parse_messages_request
-from deployments.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd,
+from api.anthropic_api import BlockWriter, content_blocks, error_event, stop_reason, tool_use_id, usage_body
+from api.anthropic_request import parse_messages_request
+from api.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall, ToolCallEnd,
                                       ToolCallStart, Usage)
-from deployments.errors import ApiError, server_error
-from deployments.openai_types import Limits
+from api.errors import ApiError, server_error
+from api.openai_types import Limits
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 LIMITS = Limits()

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from agent_helpers import SCHEMAS, THINK_TEMPLATE, in_process
-from deployments.engine_host import load_tokenizer
+from modelio.models import tokenizer_for as load_tokenizer
 from engine_helpers import FaultyModel
 from test_anthropic_api import ASK, SEARCH_TOOL, WEATHER_TOOL, sse_events
 

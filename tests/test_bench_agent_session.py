@@ -18,7 +18,7 @@ CONTEXT, MAX_TOKENS = 8192, 32
 
 @pytest.fixture(scope="module")
 def default_tok() -> Any:
-    from engine.models import resolve_model
+    from modelio.models import resolve_model
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(resolve_model("default")))
@@ -59,12 +59,12 @@ def test_trace_is_deterministic_and_seeded(default_tok: Any, trace: Any) -> None
 def test_both_servers_get_the_same_prompt(trace: Any) -> None:
     """The chat messages for mlx_lm.server render, through the model's template, to exactly the
     prompt Pomona builds from the Anthropic request (its own parser and renderer)."""
-    from engine.models import resolve_model
+    from modelio.models import resolve_model
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from deployments import openai_types as oa
-    from deployments.anthropic_request import parse_messages_request
-    from deployments.tool_syntax import render_prompt, syntax_for
+    from api import openai_types as oa
+    from api.anthropic_request import parse_messages_request
+    from api.tool_syntax import render_prompt, syntax_for
 
     tok = load_tokenizer(resolve_model("default"))
     for turn in (1, 4, 10):

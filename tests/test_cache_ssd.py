@@ -50,7 +50,7 @@ def test_fingerprint_isolation(tmp_path):
     s.offer(toks(64), kv_cache(64), "finished")
     s.close()
     from cache_tiers.factory import build_store
-    from engine.config import CacheConfig
+    from cache_tiers.config import CacheConfig
 
     other = build_store(CacheConfig(ram_bytes=10**8, ssd_dir=str(tmp_path / "ssd"), block_size=16,
                                     min_restore_tokens=4), "another-model")

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from cache_tiers.storage import DiskcacheStorage
 from cache_tiers.tiered import TieredStore
 from cache_tiers.factory import build_store
-from engine.config import CacheConfig
+from cache_tiers.config import CacheConfig
 
 LAYERS, HEADS, DIM = 2, 2, 8
 

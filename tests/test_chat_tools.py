@@ -133,7 +133,7 @@ def special_dir(tmp_path_factory):
 def test_special_token_markers_forced_and_forbidden(special_dir):
     """Markers that are one special token each: "required" writes them as those tokens, and "none"
     keeps the model from them even when the logits push hard toward the start marker."""
-    from deployments.engine_host import load_tokenizer
+    from modelio.models import tokenizer_for as load_tokenizer
 
     start = load_tokenizer(str(special_dir)).convert_tokens_to_ids("<tool_call>")
 
@@ -260,7 +260,7 @@ def think_dir(tmp_path_factory):
 
 
 def test_reasoning_content_split_inline_and_off_and_schema_after_it(think_dir):
-    from deployments.engine_host import load_tokenizer
+    from modelio.models import tokenizer_for as load_tokenizer
 
     end = load_tokenizer(str(think_dir)).convert_tokens_to_ids("</think>")
     kw = dict(model="tiny", messages=MSG, temperature=0, max_tokens=16,

@@ -16,10 +16,11 @@ import pytest
 from llguidance import LLMatcher
 
 from cache_tiers.factory import build_store
-from deployments.conversation import OutputFormat
-from deployments.engine_host import event_to_wire, sampling_from_wire, sampling_to_wire
-from deployments.grammars import answer_grammar
-from engine.config import CacheConfig, EngineConfig
+from api.conversation import OutputFormat
+from api.wire import event_to_wire, sampling_from_wire, sampling_to_wire
+from api.grammars import answer_grammar
+from cache_tiers.config import CacheConfig
+from engine.config import EngineConfig
 from engine.constraints import build_constraint
 from engine.engine import Engine
 from engine.types import FinishReason, Request, SamplingParams

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.text import ConsumerText
 from engine.types import FinishReason, Request, SamplingParams, TokenEvent

@@ -13,9 +13,9 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from engine.cpu_kernels import fast_exp, silu_mul, softmax
-from engine.cpu_llama import CpuAttention, CpuMLP, accelerate, attention
-from engine.models import backend, load_model
+from modelio.cpu_kernels import fast_exp, silu_mul, softmax
+from modelio.cpu_llama import CpuAttention, CpuMLP, accelerate, attention
+from modelio.models import backend, load_model
 
 DEFAULT_BACKEND = backend()  # before the fixture below pins this module to the CPU
 
@@ -157,7 +157,7 @@ def _flat(model):
 def test_prefill_chunks_use_mlx_sdpa_and_decode_the_fast_softmax(models, monkeypatch) -> None:
     """The materialised softmax is for decode-sized queries only: at prefill sizes it cost 1.5-3.8x
     the CPU time of MLX's SDPA (benchmarks/attention_paths.py). Same logits either way."""
-    import engine.cpu_llama as cpu_llama
+    import modelio.cpu_llama as cpu_llama
 
     ref, fast = models
     calls: list[int] = []

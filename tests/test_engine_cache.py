@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig
+from cache_tiers.config import CacheConfig
 from engine.loop import default_store
 from engine_helpers import collect, make_engine, request, run
 

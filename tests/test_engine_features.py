@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loop import default_store
 from engine.types import FinishReason, Request, RequestStatus, SamplingParams

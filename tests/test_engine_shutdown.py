@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import CacheConfig
+from cache_tiers.config import CacheConfig
 from engine.loop import default_store
 from engine.types import EngineClosedError, FinishReason, TokenEvent
 from engine_helpers import collect, make_engine, request, run

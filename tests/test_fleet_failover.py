@@ -1,4 +1,4 @@
-"""The failover rules of `retry_before_first` (deployments/fleet_failover.py), without Ray Serve.
+"""The failover rules of `retry_before_first` (deployments/failover.py), without Ray Serve.
 
 A replica's death reaches the ingress as a 503 ApiError raised `from` Ray's RayActorError
 (HandleBackend); the streams here are real async generators that fail the same way.
@@ -12,8 +12,8 @@ from typing import AsyncIterator
 import pytest
 from ray.exceptions import RayActorError
 
-from deployments.errors import ApiError, server_error, unavailable
-from deployments.fleet_failover import ATTEMPTS, replica_went_away, retry_before_first
+from api.errors import ApiError, server_error, unavailable
+from deployments.failover import ATTEMPTS, replica_went_away, retry_before_first
 
 
 def went_away() -> ApiError:

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from deployments.fleet_keys import held_hashes, prefix_hashes, prompt_tokens_of
-from deployments.fleet_policy import PolicyParams, ReplicaView, decide, matched_blocks
-from deployments.fleet_settings import FleetSettings
+from fleet.keys import held_hashes, prefix_hashes, prompt_tokens_of
+from fleet.policy import PolicyParams, ReplicaView, decide, matched_blocks
+from fleet.settings import FleetSettings
 
 PARAMS = PolicyParams(saturation=4, imbalance=2)
 

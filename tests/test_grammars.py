@@ -1,4 +1,4 @@
-"""Grammar builders (deployments/grammars.py), driven token by token through llguidance with a real tokenizer."""
+"""Grammar builders (api/grammars.py), driven token by token through llguidance with a real tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.utils import load_tokenizer
 
-from deployments.conversation import OutputFormat, Tool, ToolChoice
-from deployments.grammars import (GrammarError, answer_grammar, check_grammar, special_marker_id,
+from api.conversation import OutputFormat, Tool, ToolChoice
+from api.grammars import (GrammarError, answer_grammar, check_grammar, special_marker_id,
                                   tool_grammar)
 from engine.constraints import llg_tokenizer
 

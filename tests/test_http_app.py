@@ -7,9 +7,9 @@ from typing import Any
 from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
-from deployments.http_app import ApiKeyMiddleware, OpenAIServer
-from deployments.metrics import IngressMetrics
-from deployments.settings import AppSettings
+from api.server import ApiKeyMiddleware, OpenAIServer
+from api.metrics import IngressMetrics
+from api.settings import AppSettings
 
 
 def test_503_until_a_replica_can_serve():

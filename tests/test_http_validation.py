@@ -7,11 +7,11 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deployments import openai_types as oa
-from deployments.openai_chat import parse_chat
-from deployments.errors import ApiError
-from deployments.metrics import IngressMetrics
-from deployments.settings import AppSettings
+from api import openai_types as oa
+from api.openai_chat import parse_chat
+from api.errors import ApiError
+from api.metrics import IngressMetrics
+from api.settings import AppSettings
 
 LIMITS = oa.Limits(max_stop=4)
 MSG = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""Models by Hugging Face id (engine/hub.py, `pomona models pull`): huggingface_hub's real download and
+"""Models by Hugging Face id (modelio/hub.py, `pomona models pull`): huggingface_hub's real download and
 cache code against a loopback hub (tests/hub_server.py) serving a tiny model made here.
 
 Each case runs in a fresh Python process: huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE
@@ -22,7 +22,7 @@ import pytest
 from e2e_helpers import ROOT, free_port
 from hub_server import Hub, serve_hub
 
-RESOLVE = ("import logging, sys; from engine.models import resolve_model; from engine.hub import HubModelError\n"
+RESOLVE = ("import logging, sys; from modelio.models import resolve_model; from modelio.hub import HubModelError\n"
            "logging.basicConfig(level=logging.INFO)  # as in a replica, whose log shows the progress\n"
            "try:\n    print(resolve_model(sys.argv[1]))\n"
            "except HubModelError as exc:\n    print('ERROR', exc); sys.exit(3)\n")
@@ -132,7 +132,7 @@ def test_no_network_says_so(tmp_path: Path) -> None:
 
 
 def test_tokenizer_only_leaves_the_weights(hub: Hub, tmp_path: Path) -> None:
-    code = ("import sys; from engine.models import resolve_model\n"
+    code = ("import sys; from modelio.models import resolve_model\n"
             "print(resolve_model(sys.argv[1], weights=False))")
     out = _run(["-c", code, "test-org/tiny"], _env(hub.url, tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]

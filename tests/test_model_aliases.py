@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from agent_helpers import in_process
-from deployments.settings import AppSettings
+from api.settings import AppSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ALIASES = ["claude-*", "gpt-5"]

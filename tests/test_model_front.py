@@ -1,4 +1,4 @@
-"""deployments/model_front.py without Ray: routing by the body's model, auth first, merged listings."""
+"""api/model_front.py without Ray: routing by the body's model, auth first, merged listings."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
-from deployments.http_app import OpenAIServer
-from deployments.model_front import ModelFront
-from deployments.settings import AppSettings
+from api.server import OpenAIServer
+from api.model_front import ModelFront
+from api.settings import AppSettings
 
 
 class Loading(NoReplica):

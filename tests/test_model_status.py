@@ -1,4 +1,4 @@
-"""deployments/model_status.py without Ray: a replica's phases as posted to the board, and their summary."""
+"""api/model_status.py without Ray: a replica's phases as posted to the board, and their summary."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from deployments.model_status import ModelStatus, StatusBoard, describe
+from api.model_status import ModelStatus, StatusBoard, describe
 
 
 def _status() -> tuple[ModelStatus, list[dict[str, Any]]]:

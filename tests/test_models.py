@@ -1,4 +1,4 @@
-"""engine.models / engine.gguf: name resolution, default-model conversion, dtype choice, fingerprints."""
+"""modelio.models / modelio.gguf: name resolution, default-model conversion, dtype choice, fingerprints."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engine import models
-from engine.gguf import unpermute_rows
-from engine.models import (
+from modelio import models
+from modelio.gguf import unpermute_rows
+from modelio.models import (
     build_once, choose_dtype, fingerprint, load_model, load_tokenizer, resolve_model,
 )
 
@@ -208,7 +208,7 @@ def test_default_model_converts_and_answers_paris(default_dir: Path) -> None:
     mtime = (default_dir / "model.safetensors").stat().st_mtime_ns
     assert resolve_model("default") == default_dir  # reused, not converted again
     # Offline and with no hub reachable, exactly as before hub ids existed: the hub is never asked.
-    offline = subprocess.run([sys.executable, "-c", "from engine.models import resolve_model; print(resolve_model('default'))"],
+    offline = subprocess.run([sys.executable, "-c", "from modelio.models import resolve_model; print(resolve_model('default'))"],
                              env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
                              cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert Path(offline.stdout.strip()) == default_dir, offline.stderr

@@ -26,7 +26,8 @@ def model_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def _greedy(model_dir: Path, text: str, max_tokens: int) -> str:
     """What the model itself says, in process, through the same loader the replicas use."""
-    from engine.config import CacheConfig, EngineConfig
+    from cache_tiers.config import CacheConfig
+    from engine.config import EngineConfig
     from engine.loop import AsyncEngine
     from engine.types import Request, SamplingParams
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from deployments.conversation import (ReasoningDelta, TextDelta, ToolArgsDelta, ToolCallEnd, ToolCallStart)
-from deployments.output_parser import OutputParser
-from deployments.tool_syntax import available_parsers, syntax_for
+from api.conversation import (ReasoningDelta, TextDelta, ToolArgsDelta, ToolCallEnd, ToolCallStart)
+from api.output_parser import OutputParser
+from api.tool_syntax import available_parsers, syntax_for
 from tiny_model import build_tokenizer
 
 TOOLS = [

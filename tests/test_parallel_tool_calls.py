@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from agent_helpers import SCHEMAS, TOOLS, in_process, special_tools_model_dir
-from deployments.engine_host import load_tokenizer
+from modelio.models import tokenizer_for as load_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -107,9 +107,9 @@ def test_text_end_marker_becomes_a_stop_string_that_is_not_reported(tiny_model_d
     engine's bound, and hidden from the client's stop_sequence; a special-token marker: a stop token."""
     from engine.types import MAX_STOP_STRINGS, SamplingParams
 
-    from deployments.conversation import Conversation, Message, Tool, ToolChoice
-    from deployments.generation import _end_at_first_call
-    from deployments.tool_syntax import syntax_for
+    from api.conversation import Conversation, Message, Tool, ToolChoice
+    from api.generation import _end_at_first_call
+    from api.tool_syntax import syntax_for
 
     def conv(parallel=False, mode="auto", stop=()):
         return Conversation("tiny", (Message("user", "hi"),), SamplingParams(stop=stop), tools=(Tool("f"),),

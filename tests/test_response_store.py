@@ -7,8 +7,8 @@ import time
 import diskcache
 import pytest
 
-from deployments.conversation import Message, ToolCall
-from deployments.response_store import ResponseStore, ResponseStoreSettings, StoredResponse
+from api.conversation import Message, ToolCall
+from api.response_store import ResponseStore, ResponseStoreSettings, StoredResponse
 
 
 def rid(i: int) -> str:

@@ -13,12 +13,12 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from agent_helpers import SCHEMAS, in_process
-from deployments.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
+from api.conversation import (Completion, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
                                       ToolCallEnd, ToolCallStart, Usage)
-from deployments.errors import ApiError
-from deployments.openai_types import Limits
-from deployments.responses_parse import parse_responses
-from deployments.responses_render import EventWriter, output_items, response_object, status_of
+from api.errors import ApiError
+from api.openai_types import Limits
+from api.responses_parse import parse_responses
+from api.responses_render import EventWriter, output_items, response_object, status_of
 from test_responses_parse import FULL, WEATHER_TOOL, WRONG, parse, paths, replaced
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from agent_helpers import in_process
-from deployments.responses_render import item_page
+from api.responses_render import item_page
 from test_responses_parse import WEATHER_TOOL
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

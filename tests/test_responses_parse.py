@@ -9,10 +9,10 @@ import json
 import pytest
 
 from agent_helpers import SCHEMAS
-from deployments.conversation import Message
-from deployments.errors import ApiError
-from deployments.openai_types import Limits
-from deployments.responses_parse import parse_responses
+from api.conversation import Message
+from api.errors import ApiError
+from api.openai_types import Limits
+from api.responses_parse import parse_responses
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
                 "parameters": SCHEMAS["get_weather"]}

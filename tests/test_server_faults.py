@@ -19,9 +19,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from agent_helpers import in_process
-from deployments import engine_host
-from deployments.http_app import OpenAIServer
-from deployments.settings import AppSettings
+from modelio import models as modelio_models
+from api.server import OpenAIServer
+from api.settings import AppSettings
 
 TRIGGER = "trigger-an-internal-fault"
 # Gemma-2-style: the template itself refuses a system turn (the client's to change: a 400).
@@ -58,8 +58,8 @@ def no_system_model(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def run(model_dir: Path, body, monkeypatch) -> Any:
-    real = engine_host.load_tokenizer
-    monkeypatch.setattr(engine_host, "load_tokenizer", lambda model: FaultyTokenizer(real(model)))
+    real = modelio_models.tokenizer_for
+    monkeypatch.setattr(modelio_models, "tokenizer_for", lambda model: FaultyTokenizer(real(model)))
 
     async def main():
         async with in_process(model_dir, raise_app_exceptions=False) as http:
@@ -159,7 +159,8 @@ def test_only_the_engines_refusals_are_rejections(tiny_model_dir):
     """EngineHost turns the engine's refusals (a limit, a grammar that does not compile) into the
     client's 4xx; any other exception before the first token (here a request id used twice, which
     only a bug of ours can cause) propagates, for the ingress to answer 500."""
-    from deployments.engine_host import EngineHost, sampling_to_wire
+    from api.wire import sampling_to_wire
+    from deployments.engine_host import EngineHost
     from engine.types import SamplingParams
     from engine_helpers import make_engine
 

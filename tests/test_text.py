@@ -65,3 +65,29 @@ def test_earliest_of_several_stops_wins(tokenizer):
 def test_stop_at_very_start_gives_empty_text(tokenizer):
     deltas, stopped = stream_text(tokenizer, "Hello world", stops=("Hello",))
     assert stopped and "".join(deltas) == ""
+
+
+def test_fast_detokenizer_gives_mlx_lms_text_after_every_token(tokenizer):
+    """The fast BPE detokenizer is its own class (no private mlx-lm state): the same text as
+    mlx-lm's after each token, over text with multi-byte characters, lone spaces and odd ids."""
+    import random
+
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    from engine.text import FastBPEStreamingDetokenizer
+
+    slow = tokenizer.detokenizer
+    if type(slow) is not BPEStreamingDetokenizer:
+        pytest.skip("the tiny tokenizer is not byte-level BPE")
+    ids = tokenizer.encode(" héllo  wörld — 日本語 🙂 tabs\tand\nlines  ", add_special_tokens=False)
+    rng = random.Random(0)
+    ids = ids + [rng.randrange(len(slow.tokenmap)) for _ in range(200)]
+    fast = FastBPEStreamingDetokenizer(slow)
+    slow.reset()
+    for token in ids:
+        slow.add_token(token)
+        fast.add_token(token)
+        assert fast.text == slow.text
+    slow.finalize()
+    fast.finalize()
+    assert fast.text == slow.text

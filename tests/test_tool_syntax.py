@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.tokenizer_utils import load
 from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
 
-from deployments.conversation import Message, Tool, ToolCall
-from deployments.output_parser import OutputParser
-from deployments.tool_syntax import (FALLBACK_END, FALLBACK_START, TemplateError, available_parsers,
+from api.conversation import Message, Tool, ToolCall
+from api.output_parser import OutputParser
+from api.tool_syntax import (FALLBACK_END, FALLBACK_START, TemplateError, available_parsers,
                                      fallback_system_text, render_prompt, syntax_for)
 from tiny_model import build_tokenizer
 
@@ -173,7 +173,7 @@ def test_template_refusals_are_template_errors(hermes, plain):
 
 
 def test_the_documented_fallback_format_is_the_one_rendered():
-    import deployments.tool_syntax as ts
+    import api.tool_syntax as ts
     quoted = [line[4:] for line in ts.__doc__.splitlines() if line.startswith("    ")]
     rendered = fallback_system_text(TOOLS).splitlines()
     assert len(quoted) == len(rendered) == 7

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible Starlette application (no Ray: the LLM server is reached through a `Backend`).
+
+Order of checks for a generation request: API key (middleware) -> body size -> JSON -> fields ->
+model -> readiness -> prompt length -> the engine. Anything refused before the first token is an
+HTTP status; after it, a final SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api import anthropic_api, model_status, openai_types as oa, responses_api
+from api.admin import AdminRoutes
+from api.dialect import respond
+from api.wire import sampling_to_wire
+from api.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
+                                 too_large, unauthorized, unavailable, with_request_id)
+from api.generation import Pipeline
+from api.metrics import IngressMetrics
+from api.openai_chat import OpenAIChat
+from api.openapi import openapi_route
+from api.settings import AppSettings
+from api.streaming import SSEResponse, Tracker, collect, sse_events
+
+log = logging.getLogger("pomona.ingress")
+
+POLL_S = 1.0  # while not ready
+POLL_READY_S = 5.0  # once ready: each poll is a logged call on the LLM server
+POLL_TIMEOUT_S = 5.0
+STATS_TIMEOUT_S = 2.0
+OPEN_PATHS = frozenset({"/health"})
+
+
+class Backend(Protocol):
+    """What the HTTP layer needs from the LLM server (a Ray handle in production, an EngineHost in tests)."""
+
+    def stream(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str) -> AsyncIterator[Any]: ...
+    async def info(self) -> dict[str, Any]: ...
+    async def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What becomes known once a replica answers: the model's limits and the tokenizer."""
+
+    info: dict[str, Any]
+    tokenizer: Any
+    vocab_size: int
+
+    @property
+    def context_length(self) -> int:
+        return int(self.info["context_length"])
+
+
+def error_response(err: ApiError, path: str = "") -> JSONResponse:
+    return JSONResponse(body_for(path, err), status_code=err.status, headers=dict(err.headers))
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on every path but /health; keys are compared in constant time."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], metrics: IngressMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+
+    def allowed(self, token: str) -> bool:
+        # Hash first so every comparison has the same length; check every key so timing reveals nothing.
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for known in self.digests:
+            ok |= hmac.compare_digest(digest, known)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.digests or _route_path(scope) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token. Either works anywhere.
+        token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
+        if token and self.allowed(token):
+            return await self.app(scope, receive, send)
+        self.metrics.count(scope["path"], 401)
+        sent = auth or headers.get("x-api-key")
+        message = ("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'." if not sent
+                   else "The API key is not valid: check the key you send in 'Authorization: Bearer <key>' "
+                        "or 'x-api-key'.")
+        await error_response(unauthorized(message), _route_path(scope))(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path inside the app: Serve mounts it under the application's route_prefix (root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a lying or absent Content-Length must not let a huge body through
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class OpenAIServer:
+    def __init__(self, settings: AppSettings, backend: Backend, load_tokenizer: Callable[[], Any],
+                 api_keys: tuple[str, ...] = ()) -> None:
+        self.settings, self.backend, self._load_tokenizer = settings, backend, load_tokenizer
+        self.api_keys = api_keys
+        self.metrics = IngressMetrics()
+        self.model_name = settings.served_name()
+        self.created = int(time.time())
+        self.ready: Ready | None = None
+        self._tokenizer: Any = None
+        self._vocab_size = 0
+        self._load_lock = asyncio.Lock()
+        # One thread for all tokenizer work: HF fast tokenizers may refuse concurrent use
+        # ("Already borrowed"), and tokenizing a long prompt must not stall other streams.
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
+        self._poller: asyncio.Task | None = None
+        self.pipeline = Pipeline(self)
+
+    # -- readiness -------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Ask a replica for its info; load the tokenizer once (after the replica resolved the model)."""
+        try:
+            info = await asyncio.wait_for(self.backend.info(), POLL_TIMEOUT_S)
+            async with self._load_lock:  # a poll and a request's refresh may overlap
+                if self._tokenizer is None:
+                    tokenizer = await self.on_tok(self._load_tokenizer)
+                    # Once per load: `get_vocab()` builds a dict of the whole vocabulary (~65 ms for
+                    # 49K tokens), and this poll runs every few seconds beside the forward pass.
+                    self._vocab_size = len(await self.on_tok(tokenizer.get_vocab))
+                    self._tokenizer = tokenizer
+            self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=self._vocab_size)
+        except Exception as exc:  # any failure means "not ready now": keep polling
+            log.debug("readiness poll failed", exc_info=True)
+            if self.ready is not None:
+                log.warning("no LLM server replica answered (%s); answering 503 until one does", exc)
+            self.ready = None
+
+    async def _poll(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(POLL_S if self.ready is None else POLL_READY_S)
+
+    async def on_tok(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn)
+
+    def require_ready(self) -> Ready:
+        if self.ready is None:
+            raise unavailable("The model is not ready yet (loading, or its server is restarting); retry shortly.")
+        return self.ready
+
+    # -- routes ----------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_route, methods=["GET"]),
+                  openapi_route(self.settings.limits, self.settings.engine.max_tokens_limit, self.model_name)]
+        routes += anthropic_api.routes(self) + responses_api.routes(self)
+        routes.append(model_status.admin_route(self.backend, (self.model_name,)))
+        routes += AdminRoutes(self.backend, self.settings.llm_server.num_replicas, self.metrics).routes()  # type: ignore[arg-type]
+        app = Starlette(routes=routes, lifespan=self._lifespan,
+                        exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, metrics=self.metrics)
+        return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._poller = asyncio.create_task(self._poll())
+        try:
+            yield
+        finally:
+            self._poller.cancel()
+            self._tok_pool.shutdown(wait=False)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            err = not_found(f"No route {request.method} {request.url.path}; see /v1/chat/completions, "
+                            "/v1/completions, /v1/models, /health and /metrics.", code="not_found")
+        elif exc.status_code == 405:
+            err = ApiError(405, f"{request.method} is not allowed on {request.url.path}.", code="method_not_allowed")
+        else:
+            err = ApiError(exc.status_code, str(exc.detail))
+        self.metrics.count(request.url.path if exc.status_code != 404 else "other", err.status)
+        return error_response(err, request.url.path)
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        """Any exception that is not an ApiError is a fault in our code, whatever its type: a 500 with
+        a request id that the log line (with the traceback) carries too, never a 4xx."""
+        rid = f"req_{uuid.uuid4().hex}"
+        log.error("internal error on %s %s, request id %s: %s: %s", request.method, request.url.path, rid,
+                  type(exc).__name__, exc, exc_info=exc)
+        self.metrics.count(request.url.path, 500)
+        return error_response(internal_fault(rid), request.url.path)
+
+    async def health(self, request: Request) -> Response:
+        if self.ready is None:  # say what the replicas are doing: downloading (bytes), loading, failed
+            entries = await model_status.phases(self.backend, (self.model_name,))
+            err = unavailable("not ready: " + (model_status.describe(entries) or "no model server replica can serve yet"))
+            return JSONResponse({**body_for("", err), "models": entries}, status_code=err.status, headers=dict(err.headers))
+        return JSONResponse({"status": "ok", "model": self.model_name})
+
+    async def models(self, request: Request) -> Response:
+        self.metrics.count("/v1/models", 200)
+        return JSONResponse(oa.models_list(self.model_name, self.created))
+
+    async def metrics_route(self, request: Request) -> Response:
+        try:
+            engine = await asyncio.wait_for(self.backend.stats(), STATS_TIMEOUT_S)
+        except Exception as exc:  # metrics must render with the model server down: counted, logged once
+            engine = None
+            self.metrics.engine_stats_failed(exc)
+        else:
+            self.metrics.engine_stats_arrived()
+        return PlainTextResponse(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
+
+    async def chat(self, request: Request) -> Response:
+        dialect = OpenAIChat(self.settings.limits, self.settings.engine.max_tokens_limit,
+                             lambda: _decoder(self.require_ready()))
+        return await respond(request, dialect, self.pipeline, self.read_json, self.model_name)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request)
+
+    # -- generation ------------------------------------------------------------------------------
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        return oa.decode_body(await read_body(request, self.settings.limits.max_body_bytes))
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.settings.model) and not self.settings.is_alias(name):
+            raise not_found(f"The model {name!r} does not exist here; this server serves "
+                            f"{self.model_name!r} (GET /v1/models; other names need the 'model_aliases' "
+                            "setting).", param="model", code="model_not_found")
+
+    async def first(self, stream: AsyncIterator[Any]) -> list[Any]:
+        return await _first(stream)
+
+    def _parse(self, raw: bytes) -> oa.ParsedRequest:
+        parsed = oa.parse_completion(oa.decode_body(raw), self.settings.limits, self.settings.engine.max_tokens_limit)
+        self.check_model(parsed.model)
+        return parsed
+
+    async def _tokens(self, parsed: oa.ParsedRequest, ready: Ready) -> list[int]:
+        tok = ready.tokenizer
+        if isinstance(parsed.prompt, tuple):
+            if max(parsed.prompt) >= ready.vocab_size:
+                raise invalid(f"'prompt' token ids must be below the vocabulary size {ready.vocab_size}.",
+                              param="prompt")
+            return list(parsed.prompt)
+        return list(await self.on_tok(lambda: tok.encode(parsed.prompt)))
+
+    def _params(self, parsed: oa.ParsedRequest, n_prompt: int, ready: Ready) -> dict[str, Any]:
+        context, limit = ready.context_length, self.settings.limits.max_prompt_tokens
+        param = "prompt"
+        if limit is not None and n_prompt > limit:
+            raise invalid(f"The prompt has {n_prompt} tokens; this server accepts at most {limit}. "
+                          "Shorten the prompt.", param=param, code="context_length_exceeded")
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:  # OpenAI semantics: as much as fits, here bounded by the default
+            max_tokens = min(self.settings.engine.default_max_tokens, context - n_prompt)
+        if max_tokens < 1 or n_prompt + max_tokens > context:
+            raise invalid(f"This model's maximum context length is {context} tokens, but the request needs "
+                          f"{n_prompt + max(max_tokens, 1)} ({n_prompt} in the prompt + {max(max_tokens, 1)} "
+                          "for the completion). Shorten the prompt or lower max_tokens.",
+                          param=param, code="context_length_exceeded")
+        return sampling_to_wire(dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
+
+    async def _generate(self, request: Request) -> Response:
+        route, started = request.url.path, time.monotonic()
+        stream: AsyncIterator[Any] | None = None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            parsed = self._parse(await read_body(request, self.settings.limits.max_body_bytes))
+            ready = self.require_ready()
+            tokens = await self._tokens(parsed, ready)
+            params = self._params(parsed, len(tokens), ready)
+            stream = self.backend.stream(tokens, params, rid)
+            first = await _first(stream)
+        except ApiError as err:
+            if stream is not None:
+                await stream.aclose()  # type: ignore[attr-defined]
+            self.metrics.count(route, err.status)
+            return error_response(with_request_id(err, rid))
+        self.metrics.in_flight += 1
+        tracker = Tracker(self.metrics, started)
+        shape = _Shape(rid, int(time.time()), self.model_name, parsed, oa.LogprobFormatter(_decoder(ready)))
+        if parsed.stream:
+            self.metrics.count(route, 200)
+            return SSEResponse(self._sse(shape, first, stream, tracker), on_close=self._closer(stream, tracker))
+        try:
+            await collect(first, stream, tracker)
+        except ApiError as err:
+            self.metrics.count(route, err.status)
+            return error_response(with_request_id(err, rid))
+        finally:
+            await self._closer(stream, tracker)()
+        self.metrics.count(route, 200)
+        return JSONResponse(shape.whole(tracker))
+
+    def _closer(self, stream: AsyncIterator[Any], tracker: Tracker) -> Callable[[], Any]:
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            self.metrics.in_flight -= 1
+            if not tracker.done:
+                self.metrics.disconnects += 1
+            await stream.aclose()  # type: ignore[attr-defined]  # cancels the LLM server's generator
+        return close
+
+    def _sse(self, shape: "_Shape", first: list[Any], stream: AsyncIterator[Any],
+             tracker: Tracker) -> AsyncIterator[str]:
+        p = shape.parsed
+        usage = shape.usage_chunk if p.include_usage else None
+        return sse_events(first, stream, tracker, shape.chunks, usage, shape.preamble())
+
+
+async def _first(stream: AsyncIterator[Any]) -> list[Any]:
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise server_error("The model server ended the request without output; retry it.")
+    if isinstance(first, dict) and "rejected" in first:
+        raise _rejection(first["rejected"])
+    return first
+
+
+def _rejection(r: dict[str, Any]) -> ApiError:
+    kind, message = r.get("kind"), r.get("message", "")
+    if kind == "overloaded":
+        return overloaded(message, float(r.get("retry_after_s") or 1.0))
+    if kind == "context_length":
+        return invalid(message, code="context_length_exceeded")
+    if kind == "closed":
+        return unavailable(message)
+    return invalid(message)
+
+
+def _decoder(ready: Ready) -> Callable[[int], str]:
+    tok = ready.tokenizer
+    return lambda token_id: tok.decode([token_id])
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Builds this completion request's OpenAI objects (streamed or whole); chat is api.openai_chat."""
+
+    rid: str
+    created: int
+    model: str
+    parsed: oa.ParsedRequest
+    fmt: oa.LogprobFormatter
+
+    def preamble(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, text: str, lps: list[dict[str, Any]], finish: str | None, offset: int) -> list[dict[str, Any]]:
+        want = self.parsed.logprobs
+        chunk = oa.completion_response(self.rid, self.created, self.model, text, finish, None,
+                                       self.fmt.completion(lps, offset) if want else None, stream=True)
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return oa.completion_usage_chunk(self.rid, self.created, self.model, usage)
+
+    def whole(self, t: Tracker) -> dict[str, Any]:
+        lps = self.fmt.completion(t.logprobs, 0) if self.parsed.logprobs else None
+        return oa.completion_response(self.rid, self.created, self.model, "".join(t.text), t.finish, t.usage, lps)

@@ -1,0 +1,63 @@
+"""The plain-data format between the LLM server replica (deployments/engine_host.py) and the ingress.
+
+Everything crossing that process boundary is plain dicts and lists, so the ingress and the LLM server
+need not agree on class versions and a pickled event stays small.
+
+Wire format of `EngineHost.stream()`: first either a rejection `{"rejected": {"kind", "message",
+"retry_after_s"}}` (nothing was generated; the ingress answers with an HTTP status), or lists of
+events `{"text", "token", "lp", "finish", "usage", "error", "code", "stop_str"}`; the last event of
+the last list has `finish`. Sampling settings travel as `sampling_to_wire`'s dict (`logit_bias` as
+[token, bias] pairs, `grammar` as the llguidance grammar string).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Mapping
+
+from engine.types import ContextLengthError, EngineClosedError, OverloadedError, SamplingParams, TokenEvent
+
+
+def event_to_wire(event: TokenEvent) -> dict[str, Any]:
+    lp = event.logprob
+    return {
+        "text": event.text,
+        "token": event.token_id,
+        "lp": None if lp is None else {"id": lp.token_id, "lp": lp.logprob, "top": [list(t) for t in lp.top]},
+        "finish": None if event.finish_reason is None else event.finish_reason.value,
+        "usage": None if event.usage is None else {
+            "prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens,
+            "cached_tokens": event.usage.cached_tokens, "cache_tier": event.usage.cache_tier},
+        "error": event.error,
+        "code": event.error_code,  # "timeout", "reset", ...: the ingress picks the HTTP status from it
+        "stop_str": event.stop_string,  # the stop string that ended the request, if one did
+    }
+
+
+def rejection(exc: Exception) -> dict[str, Any]:
+    """An exception raised before the first event -> a wire rejection the ingress maps to a status."""
+    if isinstance(exc, OverloadedError):
+        kind, retry = "overloaded", exc.retry_after_s
+    elif isinstance(exc, ContextLengthError):
+        kind, retry = "context_length", 0.0
+    elif isinstance(exc, EngineClosedError):
+        kind, retry = "closed", 1.0
+    else:
+        kind, retry = "invalid", 0.0
+    return {"rejected": {"kind": kind, "message": str(exc), "retry_after_s": retry}}
+
+
+def sampling_from_wire(params: Mapping[str, Any]) -> SamplingParams:
+    values = dict(params)
+    for name in ("stop", "stop_token_ids"):
+        if name in values:
+            values[name] = tuple(values[name])
+    if "logit_bias" in values:  # pairs come back as lists (JSON) or a {token: bias} mapping
+        bias = values["logit_bias"]
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        values["logit_bias"] = tuple((int(t), float(b)) for t, b in pairs)
+    return SamplingParams(**values)
+
+
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return asdict(params)

@@ -1,0 +1,117 @@
+"""Llama-family attention and MLP that run faster on MLX's CPU backend, with the same results.
+
+Why: on the CPU backend MLX computes exp one element at a time (see `modelio.cpu_kernels`), and a
+llama forward pass calls it for SiLU in every MLP and for the softmax in every attention
+(`mx.fast.scaled_dot_product_attention` falls back to a precise softmax on the CPU).
+These subclasses of mlx-lm's own `Attention` and `MLP` keep their parameters and their call
+signature and change only how two functions are evaluated: SiLU and softmax, from `fast_exp`.
+The softmax path is for decode-sized queries only (at most `FAST_ATTENTION_MAX_QUERIES` per
+sequence): it materialises the scores, and for a prefill chunk at a long context (256 queries
+against 2-5k keys, an agent's follow-up turn) that memory traffic cost 1.5-3.8x the CPU time of
+MLX's own `scaled_dot_product_attention`, which it then uses (benchmarks/attention_paths.py).
+Quantized KV caches go to mlx-lm's code unchanged. (A table of rope cosines and sines was tried
+and measured no faster than `mx.fast.rope`: rope is a small share of the step.)
+
+`accelerate(model)` swaps them into a loaded mlx-lm llama model in place; `modelio.models` does it
+on the CPU backend only. Greedy outputs match mlx-lm's model (tests/test_cpu_llama.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+from modelio.cpu_kernels import silu_mul, softmax
+
+log = logging.getLogger("pomona.models")
+
+# Queries per sequence up to which `attention` beats MLX's SDPA on the CPU (measured at 4k keys:
+# 16 queries 0.58x its CPU time, 32 0.92x, 64 1.39x, 256 1.5x).
+FAST_ATTENTION_MAX_QUERIES = 32
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
+    """softmax(q k^T * scale + mask) v with grouped KV heads; what MLX's CPU fallback of
+    `scaled_dot_product_attention` computes, with `cpu_kernels.softmax`."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    rep = H // Hk
+    q = (q * scale).reshape(B, Hk, rep * L, D)
+    scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
+    if isinstance(mask, str):  # "causal": query i sees keys up to S - L + i
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if mask is not None:
+        mask = _grouped(mask, H, Hk, rep)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    probs = softmax(scores).reshape(B, Hk, rep * L, S)
+    return (probs @ v).reshape(B, H, L, D)
+
+
+def _grouped(mask: mx.array, H: int, Hk: int, rep: int) -> mx.array:
+    """A mask broadcastable to (B, H, L, S) as one broadcastable to (B, Hk, rep, L, S)."""
+    if mask.ndim >= 3 and mask.shape[-3] == H and H > 1:
+        return mask.reshape(*mask.shape[:-3], Hk, rep, *mask.shape[-2:])
+    return mx.expand_dims(mask, -3)
+
+
+class CpuAttention(llama.Attention):
+    """mlx-lm's llama attention with the softmax of `attention` above; rope and cache as mlx-lm's."""
+
+    def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
+        if cache is not None and hasattr(cache, "bits"):  # quantized KV: mlx-lm's own path
+            return super().__call__(x, mask, cache)
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        if L <= FAST_ATTENTION_MAX_QUERIES:
+            out = attention(q, k, v, self.scale, mask)
+        else:  # a prefill chunk: MLX's SDPA streams the scores instead of materialising them
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class CpuMLP(llama.MLP):
+    """mlx-lm's llama MLP with `silu_mul` in place of its compiled `swiglu`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def accelerate(model: nn.Module) -> int:
+    """Swap `CpuAttention`/`CpuMLP` into the llama blocks of `model` in place; returns how many
+    blocks changed (0 for models of other architectures, which are left alone)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    args = getattr(model, "args", None)
+    changed = 0
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(attn) is not llama.Attention or type(mlp) is not llama.MLP or args is None:
+            continue
+        fast_attn = _rebuilt(CpuAttention, attn, args)
+        fast_attn.rope = attn.rope  # the same rope object (and its frequencies), not a new one
+        layer.self_attn = fast_attn
+        layer.mlp = _rebuilt(CpuMLP, mlp, args)
+        changed += 1
+    if changed:
+        log.info("CPU fast paths (SiLU, softmax) on %d llama blocks", changed)
+    return changed
+
+
+def _rebuilt(cls: type, module: nn.Module, args: Any) -> nn.Module:
+    """A `cls` holding `module`'s parameters (the arrays themselves, not copies)."""
+    new = cls(args)
+    new.update(module.parameters())
+    return new
