@@ -14,7 +14,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache_tiers.factory import build_store
-from engine.config import CacheConfig, EngineConfig
+from cache_tiers.config import CacheConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.runner import last_logits
 from engine.types import FinishReason, Request, SamplingParams, TokenEvent
@@ -53,9 +54,14 @@ def questions(prefix: tuple[int, ...], **params: Any) -> list[Request]:
 
 
 def summary(events: list[TokenEvent]) -> tuple:
-    logprobs = tuple(round(e.logprob.logprob, 4) for e in events if e.logprob is not None)
+    """Tokens, text, ending and length; log-probabilities apart (`logprobs`), compared with a tolerance
+    (rounding them would flip a digit now and then: -0.38805 vs -0.38804)."""
     return (tuple(e.token_id for e in events if e.token_id is not None), "".join(e.text for e in events),
-            events[-1].finish_reason, events[-1].usage.completion_tokens, logprobs)
+            events[-1].finish_reason, events[-1].usage.completion_tokens)
+
+
+def logprobs(events: list[TokenEvent]) -> list[float]:
+    return [e.logprob.logprob for e in events if e.logprob is not None]
 
 
 PARAMS = [
@@ -67,18 +73,22 @@ PARAMS = [
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy-logprobs", "seeded-penalties", "one-token"])
 def test_direct_first_token_changes_no_output(tiny_model_dir, params):
-    results = {}
+    results, lps = {}, {}
     for direct in (None, 256):
         eng = make(tiny_model_dir, direct)
         try:
             prefix = warm(eng)
             out = drive(eng, questions(prefix, **params))
             results[direct] = {k: summary(v) for k, v in out.items()}
+            lps[direct] = {k: logprobs(v) for k, v in out.items()}
             assert eng.stats.direct_first_tokens == (3 if direct else 0)
             assert all(v[-1].usage.cached_tokens >= len(prefix) - 8 for v in out.values())
         finally:
             eng.close()
     assert results[None] == results[256]
+    assert lps[None].keys() == lps[256].keys()
+    for key, cold in lps[None].items():
+        assert lps[256][key] == pytest.approx(cold, abs=1e-3), key
 
 
 def test_first_token_comes_in_the_admitting_step(tiny_model_dir):
