@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from api.wire import event_to_wire, rejection, sampling_from_wire
 from engine.config import EngineConfig
-from engine.types import EngineClosedError, InvalidRequestError, Request
+from engine.types import ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError, Request
 from modelio.models import openblas_loaded
 
 log = logging.getLogger("pomona.llm_server")
