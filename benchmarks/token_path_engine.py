@@ -34,6 +34,9 @@ class SyntheticEngine:
     def stats(self) -> dict[str, Any]:
         return {"running": len(self._queues), "waiting": 0, "steps": self.steps}
 
+    async def held_prefixes(self, limit: int) -> list[Any]:
+        return []  # no prefix cache: nothing for a router to prefer
+
     def abort(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 

@@ -99,12 +99,26 @@ class SsdTier:
 
     def find(self, tokens: np.ndarray, min_blocks: int = 1) -> SsdMatch | None:
         """The stored entry serving the longest prefix of `tokens` from block `min_blocks` up."""
+        return self.load(tokens, self.probe(tokens, min_blocks))
+
+    def probe(self, tokens: np.ndarray, min_blocks: int = 1) -> int:
+        """How many leading blocks of `tokens` a stored entry extends through (0: none), from
+        `min_blocks` up. Reads markers only: the scheduler may ask before deciding to admit."""
         chain = block_chain(tokens, self.block_size, self.seed)
         try:
-            j = self._longest_marker(chain, max(1, min_blocks))
-            if j == 0:
-                return None
-            return self._load(chain[j - 1], j, tokens)
+            return self._longest_marker(chain, max(1, min_blocks))
+        except Exception as e:  # a failing disk must never fail a request
+            self.counters.read_errors += 1
+            log.warning("prefix cache: SSD read failed: %s", e)
+            return 0
+
+    def load(self, tokens: np.ndarray, blocks: int) -> SsdMatch | None:
+        """Read the entry a probe found through `blocks` blocks (None: gone since, or damaged)."""
+        if blocks == 0:
+            return None
+        chain = block_chain(tokens[:blocks * self.block_size], self.block_size, self.seed)
+        try:
+            return self._load(chain[blocks - 1], blocks, tokens)
         except Exception as e:  # a failing disk must never fail a request
             self.counters.read_errors += 1
             log.warning("prefix cache: SSD read failed: %s", e)

@@ -1,8 +1,11 @@
 """The one interface the engine sees of the prefix cache.
 
-The engine's MLX thread is the only caller. `lookup` answers at admission with a private copy of
-the longest useful cached prefix; `offer` hands over state the engine no longer mutates (after a
-prompt's prefill, and at a request's end with prompt + output, so the next chat turn reuses it).
+The engine's MLX thread is the only caller, except `flush` (any thread: it only waits for the
+SSD writer). Admission asks twice in two different ways, never the same question twice: `find` is
+the search (which tier holds how much of a prompt; it copies nothing and counts nothing, so the
+scheduler can plan with it), `restore` is the copy of what the plan admitted, counted as the
+request's one lookup. `offer` hands over state the engine no longer mutates (after a prompt's
+prefill, and at a request's end with prompt + output, so the next chat turn reuses it).
 """
 
 from __future__ import annotations
@@ -28,17 +31,49 @@ class Hit:
     tier: Tier
 
 
+@dataclass(frozen=True)
+class Match:
+    """Where the longest cached prefix of a prompt is, found by `PrefixStore.find`; no copy yet.
+
+    `num_tokens` is what a restore would serve (at most `len(tokens) - 1`; an SSD entry's length
+    is known to the block until it is read). `too_short`: below `min_restore_tokens`, so restoring
+    it would cost more than it saves; it is kept only so the lookup is counted as such. `source` is
+    the store's own reference (an entry in RAM, a block count on the SSD).
+    """
+
+    num_tokens: int
+    tier: Tier
+    source: Any = None
+    too_short: bool = False
+
+    @property
+    def usable(self) -> int:
+        return 0 if self.too_short else self.num_tokens
+
+
 class PrefixStore(Protocol):
-    def lookup(self, tokens: Sequence[int]) -> Hit | None:
-        """Longest cached prefix of `tokens` worth restoring, or None."""
+    def find(self, tokens: Sequence[int]) -> Match | None:
+        """Where the longest cached prefix of `tokens` is; copies nothing, counts nothing."""
+
+    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
+        """A private copy of what `find` found for these `tokens` (None: nothing, too short, or
+        gone since); counted as one lookup of `tokens`."""
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         """Remember `cache`, which covers exactly `tokens`. The store takes ownership (it copies
         or slices as it needs); the caller must not mutate `cache` afterwards."""
 
-    def cached_length(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of `tokens` the RAM tier could restore now (0: none); copies
-        nothing, counts nothing. The scheduler asks it to decide who waits for whom."""
+    def held_prefixes(self, limit: int = 256) -> list[Any]:
+        """Token arrays of the most recently used entries (prefix-affinity routing reports them)."""
+
+    def set_ram_budget(self, budget_bytes: int) -> None:
+        """Resize the RAM tier at run time (the engine's memory account gives it what is free)."""
+
+    def clear(self, tier: Literal["ram", "ssd", "all"] = "all") -> None:
+        """Drop cached state of one tier or all (admin)."""
+
+    def flush(self) -> None:
+        """Wait until queued SSD writes are on disk. Safe from any thread."""
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters: queries/hits in tokens, entries, bytes, evictions, promotions..."""
@@ -50,14 +85,26 @@ class PrefixStore(Protocol):
 class NullStore:
     """No prefix caching: every lookup misses, offers are dropped."""
 
-    def lookup(self, tokens: Sequence[int]) -> Hit | None:
+    def find(self, tokens: Sequence[int]) -> Match | None:
+        return None
+
+    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
         return None
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         return None
 
-    def cached_length(self, tokens: Sequence[int]) -> int:
-        return 0
+    def held_prefixes(self, limit: int = 256) -> list[Any]:
+        return []
+
+    def set_ram_budget(self, budget_bytes: int) -> None:
+        return None
+
+    def clear(self, tier: Literal["ram", "ssd", "all"] = "all") -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {}

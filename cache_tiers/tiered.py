@@ -16,6 +16,7 @@ Rules, each for a reason:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ from .ram import RamTier
 from .snapshot import Snapshot, restore, snapshot
 from .ssd import SsdTier
 from .stats import TierCounters
-from .store import Hit, OfferKind
+from .store import Hit, Match, OfferKind
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +47,39 @@ class TieredStore:
         self.too_short = 0
         ram.on_evict = self._demote
 
-    def lookup(self, tokens: Sequence[int]) -> Hit | None:
+    def find(self, tokens: Sequence[int]) -> Match | None:
+        """The longest prefix RAM holds, or the SSD's markers promise past it; nothing read or counted."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        n = len(toks)
+        if n < 2:
+            return None
+        ram = self.ram.find(toks)
+        num = ram.num_tokens if ram else 0
+        lo = num // self.block_size + 1
+        if self.ssd is not None and lo <= n // self.block_size:
+            blocks = self.ssd.probe(toks, min_blocks=lo)
+            if blocks:  # the entry may turn out shorter once read; `restore` then falls back to RAM
+                match = Match(min(blocks * self.block_size, n - 1), "ssd", (blocks, ram))
+                return self._minded(match)
+        return None if ram is None else self._minded(Match(num, "ram", (0, ram)))
+
+    def _minded(self, match: Match) -> Match:
+        return replace(match, too_short=match.num_tokens < max(1, self.min_restore_tokens))
+
+    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
+        """Copy what `find` found (reading the SSD entry now); counted as one lookup of `tokens`."""
         toks = np.asarray(tokens, dtype=np.int64)
         n = len(toks)
         self.totals.query(n)
         if n < 2:
             return None
         self.ram.counters.query(n)
-        match = self.ram.find(toks)
-        snap, num, tier = (match.snap, match.num_tokens, "ram") if match else (None, 0, "ram")
-        lo = num // self.block_size + 1
-        if self.ssd is not None and lo <= n // self.block_size:
-            self.ssd.counters.query(n)
-            deep = self.ssd.find(toks, min_blocks=lo)
+        blocks, ram = match.source if match is not None else (0, None)
+        snap, num, tier = (ram.snap, ram.num_tokens, "ram") if ram else (None, 0, "ram")
+        if self.ssd is not None and num // self.block_size + 1 <= n // self.block_size:
+            self.ssd.counters.query(n)  # the SSD was asked (by `find`'s probe) whatever it answered
+        if blocks and self.ssd is not None:
+            deep = self.ssd.load(toks, blocks)
             if deep is not None and deep.num_tokens > num:
                 snap, num, tier = deep.snap, deep.num_tokens, "ssd"
         if snap is None or num < max(1, self.min_restore_tokens):
@@ -76,11 +97,9 @@ class TieredStore:
         self.totals.hit(num)
         return Hit(cache=cache, num_tokens=num, tier=tier)
 
-    def cached_length(self, tokens: Sequence[int]) -> int:
-        match = self.ram.find(np.asarray(tokens, dtype=np.int64)) if len(tokens) >= 2 else None
-        if match is None or match.num_tokens < max(1, self.min_restore_tokens):
-            return 0
-        return match.num_tokens
+    def lookup(self, tokens: Sequence[int]) -> Hit | None:
+        """`find` and `restore` in one (tests, benchmarks, warm-up tools)."""
+        return self.restore(tokens, self.find(tokens))
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
         try:

@@ -140,10 +140,9 @@ class EngineHost:
         The store lives on the MLX thread, so its entries are listed there; hashing runs here."""
         from fleet.keys import MAX_REPORTED_ENTRIES, held_hashes
 
-        if not self.engine.ready or not hasattr(self.engine, "call"):
-            return []  # still loading, or a test double without an MLX thread
-        entries = await self.engine.call(lambda e: list(e.store.held_prefixes(MAX_REPORTED_ENTRIES))
-                                         if hasattr(e.store, "held_prefixes") else [])  # NullStore: none
+        if not self.engine.ready:
+            return []  # still loading
+        entries = await self.engine.held_prefixes(MAX_REPORTED_ENTRIES)
         return held_hashes(entries, self.config.cache.block_size)
 
     def stats(self) -> dict[str, Any]:
@@ -155,7 +154,7 @@ class EngineHost:
         """Raise unless the engine is loaded and its MLX thread answers (a dead thread never does)."""
         if not self.engine.ready:
             raise RuntimeError("the engine is not ready")
-        await asyncio.wait_for(self.engine.call(lambda engine: None), HEALTH_PROBE_TIMEOUT_S)
+        await asyncio.wait_for(self.engine.ping(), HEALTH_PROBE_TIMEOUT_S)
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
         """Status and cache administration for api/admin.py; tagged with this replica's pid."""
@@ -163,14 +162,11 @@ class EngineHost:
         if action == "requests":
             result: dict[str, Any] = {"requests": await engine.requests_status()}
         elif action == "cache":
-            result = {"cache": await engine.call(lambda e: e.store.stats())}
+            result = {"cache": await engine.cache_stats()}
         elif action == "clear":
             result = {"cache": await engine.clear_cache(tier)}
         elif action == "flush":
-            # Wait for the SSD writer off the MLX thread: decoding goes on meanwhile.
-            store = await engine.call(lambda e: e.store)
-            await asyncio.to_thread(getattr(store, "flush", lambda: None))
-            result = {"cache": await engine.call(lambda e: e.store.stats())}
+            result = {"cache": await engine.flush_cache()}
         elif action == "reset":
             result = {"failed_requests": await engine.deep_reset()}
         else:

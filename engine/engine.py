@@ -1,4 +1,5 @@
-"""One engine step: schedule, run one `BatchGenerator` step, turn responses into events, store caches.
+"""The engine step, one direction: schedule -> start what the plan admits -> run the batch once ->
+update the sequences from the runner's output, returning the step's events to the loop.
 
 Runs only on the MLX thread (see `engine.loop`). Nothing here blocks on I/O: the prefix store takes
 copies and writes to disk behind the request path.
@@ -17,7 +18,7 @@ from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
 from engine.runner import Generated, PromptProgress, Runner
 from engine.sampling import make_decoding, top_logprobs
-from engine.scheduler import BatchView, Scheduler
+from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.text import TextStream, TokensOnly, text_in_engine
@@ -30,14 +31,10 @@ EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 emit: Callable[[list[TokenEvent]], None] | None = None, consumer_text: bool = False) -> None:
-        """`emit`, when given, takes a direct first token as soon as it is sampled (the loop delivers
-        it to its stream) instead of at the end of the step, which still runs a batch step after it.
-        With `consumer_text`, events of requests without stop strings carry token ids and no text:
+                 clock: Callable[[], float] = time.monotonic, consumer_text: bool = False) -> None:
+        """With `consumer_text`, events of requests without stop strings carry token ids and no text:
         the consumer makes it (`engine.text.ConsumerText`, as `AsyncEngine.stream` does)."""
         self.config = config
-        self._emit = emit
         self._consumer_text = consumer_text
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
@@ -50,7 +47,7 @@ class Engine:
         self._eos = sorted(tokenizer.eos_token_ids)
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
-        self._direct_limit = config.direct_first_token_limit(mx.default_device() == mx.cpu)
+        self._direct_run = 0  # direct first-token admissions since the batch last ran
         # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
         # prefill to be cached rather than computing the same tokens alongside it.
         self._share_tokens = None if isinstance(self.store, NullStore) else max(64, self._min_store)
@@ -111,7 +108,6 @@ class Engine:
             kv_tokens_free=kv_free,
             prefilling_prompts=tuple(s.request.prompt_tokens for s in prefilling),
             share_tokens=self._share_tokens,
-            cached_length=self.store.cached_length,
             first_token_pending=sum(1 for s in self.seqs.values() if s.status is not RequestStatus.WAITING
                                     and s.first_token_at is None and s.prefill_left <= 1),
         )
@@ -121,60 +117,54 @@ class Engine:
                    if s.status is not RequestStatus.WAITING)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, refill: Callable[[], int] | None = None) -> list[TokenEvent]:
-        """One step. `refill`, when given, queues requests that arrived meanwhile (returns how many
-        commands it handled); it is called after a direct first-token admission, see `_admit_waiting`."""
+    def step(self) -> list[TokenEvent]:
+        """Schedule, start the admitted, run the batch once, update from its output.
+
+        After a direct first-token admission the batch waits (up to `prefill_batch` such admissions
+        in a row): those first tokens go out at once, and prefix hits that arrived during that
+        prefill (they tend to come in groups: clients whose requests ended in the same step) are
+        admitted in the next step, before the batch runs, so all of them join one decode step.
+        """
         # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
         events = self._expire() if self._clock() >= self._next_expiry else []
         decoding = len(self.runner) > len(self._prefilling)
         started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
-        if len(self.scheduler):
-            events += self._admit_waiting(refill)
-            if self.memory is not None:
-                self.memory.rebalance(self._reserved_tokens())
+        plan = self.scheduler.schedule(self.view(), self.store.find) if len(self.scheduler) else SchedulerOutput()
+        events += self._start(plan)
+        if plan.direct and self._direct_run < self.config.prefill_batch:
+            return events
+        self._direct_run = 0
         try:
             prompts, generated = self.runner.step()
         except Exception as exc:  # contain the fault: fail this batch, keep serving
             return events + self._recover(exc)
         self.stats.record_step(time.perf_counter() - started, len(generated), decoding)
-        self._on_prompts(prompts)
-        return events + self._on_generated(generated)
+        return events + self.update_from_output(prompts, generated)
 
-    def _admit_waiting(self, refill: Callable[[], int] | None) -> list[TokenEvent]:
-        """Admit what the scheduler lets in; after direct first-token admissions, take in what arrived
-        during their prefills and admit again, up to `prefill_batch` direct admissions in the step.
-
-        Why: a direct prefill takes a few hundred milliseconds on a CPU, and prefix hits tend to come
-        in groups (clients whose requests finished in the same step send their next ones together).
-        A hit that arrives during another's prefill would otherwise wait for the batch step and the
-        previous newcomer's join before its own prefill starts; admitted now, all of them join the
-        batch in one step. The bound keeps a stream of hits from holding the running batch up for
-        more than `prefill_batch` prefills.
-        """
+    def _start(self, plan: SchedulerOutput) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        direct_before = self.stats.direct_first_tokens
-        while True:
-            round_before = self.stats.direct_first_tokens
-            for request in self.scheduler.schedule(self.view()).admit:
-                events += self._admit(self.seqs[request.request_id])
-            direct_now = self.stats.direct_first_tokens
-            if (refill is None or direct_now == round_before
-                    or direct_now - direct_before >= self.config.prefill_batch or not refill()):
-                return events
+        for admission in plan.admit:
+            events += self._admit(admission)
+        if plan.admit and self.memory is not None:
+            self.memory.rebalance(self._reserved_tokens())
+        return events
 
-    def _admit(self, seq: Sequence) -> list[TokenEvent]:
+    def update_from_output(self, prompts: list[PromptProgress], generated: list[Generated]) -> list[TokenEvent]:
+        """Prefill progress (prompt offers, checkpoints), then one event per generated token."""
+        self._on_prompts(prompts)
+        return self._on_generated(generated)
+
+    def _admit(self, admission: Admission) -> list[TokenEvent]:
+        seq = self.seqs[admission.request.request_id]
         tokens = seq.request.prompt_tokens
-        hit = self.store.lookup(tokens)
+        hit = self.store.restore(tokens, admission.match)
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params
         decoding = make_decoding(params, len(tokens), self._eos, seq.request.constraint)
-        rest = len(tokens) - cached
-        # The direct path is for a long cached context with a short rest (a follow-up turn, a
-        # question on a shared document). A hit on a short shared start (the chat template's system
-        # prompt) leaves a mostly new prompt: computed alone, its rest costs ~40% more per token on a
-        # CPU than in a batched prefill, and its own prefill dominates its first token anyway.
-        direct = hit is not None and rest <= self._direct_limit and cached >= rest
+        # The SSD entry the plan counted on may read shorter (or not at all): then the batch path.
+        direct = admission.direct and hit is not None and admission.match is not None \
+            and cached >= admission.match.num_tokens
         first: Generated | None = None
         try:
             if direct:
@@ -200,11 +190,8 @@ class Engine:
         # finished offer (prompt + output) covers it; a copy now would only delay the first token.
         seq.prefill_done = len(tokens) - cached
         self.stats.direct_first_tokens += 1
-        events = self._on_generated([first])
-        if self._emit is not None and not any(e.finished for e in events):
-            self._emit(events)
-            return []
-        return events
+        self._direct_run += 1
+        return self._on_generated([first])
 
     def _on_prompts(self, prompts: list[PromptProgress]) -> None:
         for p in prompts:
@@ -340,15 +327,20 @@ class Engine:
             if seq is not None:
                 events.append(self._final(seq, FinishReason.ERROR, "", error=(
                     "The server's cache was reset by an administrator; retry the request."), code="reset"))
-        clear = getattr(self.store, "clear", None)
-        if clear is not None:
-            clear("all")
+        self.store.clear("all")
         mx.clear_cache()
         return events
 
     def running_status(self) -> list[dict]:
         now = self._clock()
         return [s.describe(now) for s in self.seqs.values()]
+
+    def status(self) -> dict[str, Any]:
+        """Counters and gauges for the loop to publish (read on the MLX thread, between steps)."""
+        view = self.view()
+        return {**self.stats.as_dict(), "waiting": len(self.scheduler), "running": view.running,
+                "prefilling": view.prefilling, "kv_bytes": self.runner.cache_nbytes(),
+                "cache": self.store.stats()}
 
     def close(self) -> None:
         self.runner.close()

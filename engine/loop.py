@@ -84,7 +84,6 @@ class AsyncEngine:
         self._stats: dict[str, Any] = {"ready": False}
         self._closing = False
         self._stopped = False  # the MLX thread has gone: commands would never be answered
-        self._engine: Engine | None = None
         self.tokenizer: Any = None
         self.context_length = 0
         self.model_name = config.model
@@ -198,12 +197,28 @@ class AsyncEngine:
             raise ValueError('tier must be "ram", "ssd" or "all"')
 
         def clear(engine: Engine) -> dict[str, Any]:
-            clear_tier = getattr(engine.store, "clear", None)
-            if clear_tier is not None:
-                clear_tier(tier)
+            engine.store.clear(tier)  # type: ignore[arg-type]
             return engine.store.stats()
 
         return await self.call(clear)
+
+    async def ping(self) -> None:
+        """Answered by the MLX thread between two steps: a dead or stuck thread never answers."""
+        await self.call(lambda engine: None)
+
+    async def cache_stats(self) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.store.stats())
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Wait until queued SSD writes are on disk; returns the cache stats after. The wait runs
+        off the MLX thread (the store's `flush` is safe anywhere), so decoding goes on meanwhile."""
+        store = await self.call(lambda engine: engine.store)
+        await asyncio.to_thread(store.flush)
+        return await self.cache_stats()
+
+    async def held_prefixes(self, limit: int) -> list[Any]:
+        """Token arrays of the prefix store's most recently used entries (prefix-affinity routing)."""
+        return await self.call(lambda engine: engine.store.held_prefixes(limit))
 
     async def requests_status(self) -> list[dict[str, Any]]:
         return await self.call(lambda engine: engine.running_status())
@@ -235,7 +250,7 @@ class AsyncEngine:
             handled = self._handle_commands(engine, block=not engine.has_work())
             if handled is None:
                 break
-            events = engine.step(refill=self._refill) if engine.has_work() else []
+            events = engine.step() if engine.has_work() else []
             # Publish before delivering final events, so a caller who saw its request end also
             # sees the counters that include it.
             if handled or time.monotonic() - last_stats > STATS_EVERY_S or any(e.finished for e in events):
@@ -268,8 +283,7 @@ class AsyncEngine:
         if self.config.max_model_len:
             self.context_length = min(self.context_length, self.config.max_model_len)
         engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded),
-                        emit=self._deliver, consumer_text=True)
-        self._engine = engine
+                        consumer_text=True)
         self._warm_up(engine)
         self._publish_stats(engine)
         return engine
@@ -300,22 +314,6 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return handled
-
-    def _refill(self) -> int:
-        """Inside a step: take in the requests and aborts that arrived meanwhile. Anything else (a
-        stop, a call that may reset the engine) goes back to the queue for the loop, after this step."""
-        engine, handled = self._engine, 0
-        while engine is not None:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind not in ("add", "abort"):
-                self._commands.put((kind, arg))
-                break
-            self._handle(engine, kind, arg)
-            handled += 1
-        return handled
 
     def _handle(self, engine: Engine, kind: str, arg: Any) -> None:
         if kind == "add":
@@ -360,12 +358,7 @@ class AsyncEngine:
                 pass
 
     def _publish_stats(self, engine: Engine) -> None:
-        view = engine.view()
-        stats = engine.stats.as_dict()
-        stats.update(ready=True, model=self.model_name, waiting=len(engine.scheduler), running=view.running,
-                     prefilling=view.prefilling, kv_bytes=engine.runner.cache_nbytes(),
-                     cache=engine.store.stats())
-        self._stats = stats
+        self._stats = {**engine.status(), "ready": True, "model": self.model_name}
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

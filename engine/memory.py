@@ -13,6 +13,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from cache_tiers.store import PrefixStore
+
 
 def kv_bytes_per_token(model: Any) -> int:
     """KV bytes one token costs in this model, measured with a one-token forward pass.
@@ -34,12 +36,12 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 class MemoryAccount:
-    def __init__(self, budget_bytes: int, bytes_per_token: int, store: Any) -> None:
+    def __init__(self, budget_bytes: int, bytes_per_token: int, store: PrefixStore) -> None:
         self.budget_bytes = budget_bytes
         self.bytes_per_token = bytes_per_token
         self._store = store
-        stats = store.stats().get("ram", {}) if hasattr(store, "set_ram_budget") else {}
-        self._ram_base = stats.get("budget_bytes")
+        # The RAM tier's configured budget: the most it is ever given back (None: no RAM tier).
+        self._ram_base = store.stats().get("ram", {}).get("budget_bytes")
 
     def free_tokens(self, reserved_tokens: int) -> int:
         """Tokens of KV that may still be reserved by new requests."""

@@ -1,7 +1,9 @@
 """Admission policy: who waits, who runs next. Imports no MLX, so it is tested with no model at all.
 
-The scheduler sees the running batch only through a `BatchView` of counts, and answers with the
-requests to admit now. Admission respects four limits:
+The scheduler sees the running batch only through a `BatchView` of counts and the prefix store
+only through its `find` (where a prompt's cached prefix is; no copy), and answers with a plan: the
+requests to admit now, each with its cached prefix (looked up once, here) and its path. Admission
+respects these limits:
 - the cap on running sequences (`max_running`);
 - the number of prompts in prefill at once (`prefill_batch`);
 - a token budget over prompts in prefill (`max_batch_tokens`), always letting one prompt through so
@@ -23,8 +25,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cache_tiers.store import Match
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.types import OverloadedError, Request
+
+Find = Callable[[tuple[int, ...]], "Match | None"]
 
 CPU_GROUP_RATIO = 2.0  # "auto" on the CPU backend: a prompt joins a prefill within this length ratio
 
@@ -43,17 +48,32 @@ class BatchView:
     # them to wait for its cached prefix instead of computing the same tokens again (None: no cache).
     prefilling_prompts: tuple[tuple[int, ...], ...] = ()
     share_tokens: int | None = None
-    # Leading tokens of a prompt the prefix cache holds now: a prompt whose shared prefix is
-    # already cached gains nothing by waiting for another prefill, so it is not held back.
-    cached_length: Callable[[tuple[int, ...]], int] | None = None
     # Requests whose prompt is fully fed but whose first token has not come back yet: a newcomer's
     # prefill admitted now would run inside the steps they are waiting on.
     first_token_pending: int = 0
 
 
 @dataclass(frozen=True)
+class Admission:
+    """One request to start now: where its cached prefix is, and which way its first token comes.
+
+    `direct`: a long cached context with a short rest (a follow-up turn, a question on a shared
+    document) is prefilled outside the batch and its first token sampled at once; anything else
+    joins the batched prefill.
+    """
+
+    request: Request
+    match: Match | None = None
+    direct: bool = False
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    admit: tuple[Request, ...] = ()
+    admit: tuple[Admission, ...] = ()
+
+    @property
+    def direct(self) -> bool:
+        return any(a.direct for a in self.admit)
 
 
 @dataclass(order=True)
@@ -75,6 +95,7 @@ class Scheduler:
         self.group_ratio = group_ratio(config, on_cpu)
         hold = config.first_token_first
         self.first_token_first = on_cpu if hold == "auto" else bool(hold)
+        self.direct_limit = config.direct_first_token_limit(on_cpu)
         self._heap: list[_Entry] = []
         self._order = itertools.count()
         self._cancelled: set[str] = set()
@@ -105,35 +126,44 @@ class Scheduler:
             self._cancelled.add(request.request_id)
         return dropped
 
-    def waiting(self) -> list[Request]:
-        return [e.request for e in sorted(self._heap) if e.request.request_id not in self._cancelled]
+    def schedule(self, view: BatchView, find: Find | None = None) -> SchedulerOutput:
+        """The requests to admit now, in queue order, each with its prefix match and path.
+        `find` is asked at most once per request considered (never for one that stays queued
+        behind a limit that does not depend on its cache)."""
+        if view.first_token_pending and self.first_token_first:
+            return SchedulerOutput()  # at most two short steps; newcomers then prefill together
+        found: dict[str, Match | None] = {}
 
-    def schedule(self, view: BatchView) -> SchedulerOutput:
-        admitted: list[Request] = []
+        def match(request: Request) -> Match | None:
+            if request.request_id not in found:
+                found[request.request_id] = find(request.prompt_tokens) if find is not None else None
+            return found[request.request_id]
+
+        admitted: list[Admission] = []
         running, prefilling = view.running, view.prefilling
         tokens, shortest, longest = view.prefill_tokens_left, view.prefill_min_left, view.prefill_max_left
         kv_free = view.kv_tokens_free
         in_prefill, deferred = list(view.prefilling_prompts), []
-        if view.first_token_pending and self.first_token_first:
-            return SchedulerOutput()  # at most two short steps; newcomers then prefill together
         while self._heap and running < self.config.max_running and prefilling < self.config.prefill_batch:
             head = self._heap[0].request
             if head.request_id in self._cancelled:
                 heapq.heappop(self._heap)
                 self._cancelled.discard(head.request_id)
                 continue
-            if _shares_prefix(head.prompt_tokens, in_prefill, view.share_tokens) and not _cached(head, view):
+            if (_shares_prefix(head.prompt_tokens, in_prefill, view.share_tokens)
+                    and _usable(match(head)) < (view.share_tokens or 0)):
                 deferred.append(heapq.heappop(self._heap))  # its prefix is cached when that prefill ends
                 continue
             size = len(head.prompt_tokens)
-            if prefilling and (not self._fits(size, tokens, shortest, longest) or self._prefills_alone(head, view)):
+            if prefilling and (not self._fits(size, tokens, shortest, longest)
+                               or self._prefills_alone(size, lambda: _usable(match(head)))):
                 break  # FCFS / priority order: the head waits rather than being overtaken
             reserve = size + head.params.max_tokens
             if kv_free is not None and reserve > kv_free and running > 0:
                 break  # not enough memory; running requests finishing will free it
             heapq.heappop(self._heap)
             self._ids.discard(head.request_id)
-            admitted.append(head)
+            admitted.append(Admission(head, match(head), self._direct(size, _usable(match(head)))))
             running, prefilling, tokens = running + 1, prefilling + 1, tokens + size
             shortest = size if shortest == 0 else min(shortest, size)
             longest = max(longest, size)
@@ -144,16 +174,21 @@ class Scheduler:
             heapq.heappush(self._heap, entry)
         return SchedulerOutput(tuple(admitted))
 
-    def _prefills_alone(self, request: Request, view: BatchView) -> bool:
+    def _direct(self, size: int, cached: int) -> bool:
+        """A long cached context with a short rest. A hit on a short shared start (the chat
+        template's system prompt) leaves a mostly new prompt: computed alone, its rest costs ~40%
+        more per token on a CPU than in a batched prefill, and its own prefill dominates anyway."""
+        rest = size - cached
+        return cached > 0 and rest <= self.direct_limit and cached >= rest
+
+    def _prefills_alone(self, size: int, cached: Callable[[], int]) -> bool:
         """A long prompt on the CPU: more than one chunk left once its cached prefix is counted."""
         if self.group_ratio is None:
             return False
         chunk = self.config.prefill_chunk
-        size = len(request.prompt_tokens)
         if size <= chunk:
             return False
-        cached = view.cached_length(request.prompt_tokens) if view.cached_length is not None else 0
-        return size - cached > chunk
+        return size - cached() > chunk
 
     def _fits(self, size: int, tokens: int, shortest: int, longest: int) -> bool:
         if tokens + size > self.config.max_batch_tokens:
@@ -168,11 +203,8 @@ class Scheduler:
         return high <= self.group_ratio * max(low, 1)
 
 
-def _cached(request: Request, view: BatchView) -> bool:
-    """Whether the prefix cache already holds at least `share_tokens` of this prompt."""
-    if view.cached_length is None or view.share_tokens is None:
-        return False
-    return view.cached_length(request.prompt_tokens) >= view.share_tokens
+def _usable(match: Match | None) -> int:
+    return 0 if match is None else match.usable
 
 
 def _shares_prefix(prompt: tuple[int, ...], others: list[tuple[int, ...]], share: int | None) -> bool:

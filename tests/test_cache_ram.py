@@ -44,16 +44,22 @@ def test_longest_prefix_wins():
     assert all(c.offset == 120 and c.keys.shape[2] == 120 for c in hit.cache)
 
 
-def test_cached_length_answers_what_a_lookup_would_restore_without_copying_or_counting():
+def test_find_answers_what_a_restore_would_serve_without_copying_or_counting():
     s = store(min_restore_tokens=8)
     base = toks(200)
     s.offer(base[:120] + [8888] * 10, kv_cache(130), "prompt")
     before = s.stats()
-    assert s.cached_length(base) == 120
-    assert s.cached_length(toks(5, start=7000) + base) == 0  # a different start: nothing cached
-    assert s.cached_length(base[:6]) == 0  # below min_restore_tokens
+    match = s.find(base)
+    assert match is not None and match.usable == 120 and match.tier == "ram"
+    assert s.find(toks(5, start=7000) + base) is None  # a different start: nothing cached
+    assert s.find(base[:6]).too_short and s.find(base[:6]).usable == 0  # below min_restore_tokens
     assert s.stats() == before
-    assert s.lookup(base).num_tokens == 120
+    hit = s.restore(base, match)
+    assert hit.num_tokens == 120
+    after = s.stats()
+    assert after["lookups"] == before["lookups"] + 1 and after["hits"] == before["hits"] + 1
+    assert s.restore(base[:6], s.find(base[:6])) is None
+    assert s.stats()["hits_below_min_restore"] == before["hits_below_min_restore"] + 1
 
 
 def test_longer_entry_trimmed_to_serve_shorter_prompt():

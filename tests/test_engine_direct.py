@@ -219,34 +219,30 @@ def test_last_logits_equal_the_full_calls_last_row(cls, tied):
                        atol=1e-5).item()
 
 
-def _arrivals(eng: Engine, pending: list[Request], calls: list[int]):
-    """A `refill` that queues one more request each time the step asks (as arrivals during a prefill)."""
-    def refill() -> int:
-        calls.append(len(pending))
-        if not pending:
-            return 0
-        eng.add_request(pending.pop(0))
-        return 1
-    return refill
+def _admit_one_by_one(eng: Engine, requests: list[Request]) -> list[list[TokenEvent]]:
+    """Queue each request after the previous step, as hits arriving during each direct prefill."""
+    steps = []
+    for request in requests:
+        eng.add_request(request)
+        steps.append(eng.step())
+    return steps
 
 
-def _step_with_arrivals(eng: Engine, max_tokens: int) -> tuple[list[TokenEvent], list[Request], list[int]]:
-    """Warm the cache, queue one hit and step; two more hits arrive whenever the step asks."""
-    first, *later = questions(warm(eng), max_tokens=max_tokens, temperature=0.0)
-    eng.add_request(first)
-    calls: list[int] = []
-    return eng.step(refill=_arrivals(eng, later, calls)), later, calls
-
-
-def test_hits_arriving_during_a_direct_prefill_are_admitted_in_the_same_step(tiny_model_dir):
+def test_hits_arriving_during_a_direct_prefill_join_before_the_batch_steps(tiny_model_dir):
     eng = make(tiny_model_dir, 256)
     try:
-        events, _, calls = _step_with_arrivals(eng, max_tokens=5)
-        assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1", "q2"]
-        assert len(calls) == 3  # asked after each direct admission, and once more to find nobody
-        assert len(eng.runner) == 3  # all three joined the batch in this step
+        requests = questions(warm(eng), max_tokens=5, temperature=0.0)
+        batch_steps = eng.stats.steps
+        steps = _admit_one_by_one(eng, requests)
+        # Each step admitted one newcomer and sent its first token; the batch has not run yet.
+        assert [[e.request_id for e in step if e.token_id is not None] for step in steps] == [["q0"], ["q1"], ["q2"]]
+        assert eng.stats.steps == batch_steps and len(eng.runner) == 3
+        events = [e for step in steps for e in step]
         while eng.has_work():
             events += eng.step()
+        # All three joined the batch together: every later step carried a token for each until the end.
+        later = [e for e in events[3:] if e.token_id is not None]
+        assert [sorted(e.request_id for e in later[i:i + 3]) for i in range(0, 12, 3)] == [["q0", "q1", "q2"]] * 4
         for request_id in ("q0", "q1", "q2"):
             mine = [e for e in events if e.request_id == request_id]
             assert sum(1 for e in mine if e.token_id is not None) == 5
@@ -255,16 +251,25 @@ def test_hits_arriving_during_a_direct_prefill_are_admitted_in_the_same_step(tin
         eng.close()
 
 
-def test_refill_is_bounded_by_prefill_batch_and_skipped_without_a_direct_admission(tiny_model_dir):
+def test_direct_admissions_hold_the_batch_for_at_most_prefill_batch_of_them(tiny_model_dir):
     eng = make(tiny_model_dir, 256, prefill_batch=2)
     try:
-        events, later, calls = _step_with_arrivals(eng, max_tokens=3)
-        assert [e.request_id for e in events if e.token_id is not None] == ["q0", "q1"]
-        assert len(calls) == 1 and len(eng.scheduler) == 0 and [r.request_id for r in later] == ["q2"]
+        q0, q1, q2 = questions(warm(eng), max_tokens=3, temperature=0.0)
+        batch_steps = eng.stats.steps
+        [first] = _admit_one_by_one(eng, [q0])
+        assert [e.request_id for e in first if e.token_id is not None] == ["q0"]
+        assert eng.stats.steps == batch_steps
+        [second] = _admit_one_by_one(eng, [q1])
+        # The second direct admission reaches the bound: the batch runs in the same step.
+        assert [e.request_id for e in second if e.token_id is not None] == ["q1"]
+        assert eng.stats.steps == batch_steps + 1
+        eng.add_request(q2)
+        third = eng.step()  # the count starts again: q2's first token, no batch step
+        assert [e.request_id for e in third if e.token_id is not None] == ["q2"]
+        assert eng.stats.steps == batch_steps + 1
         cold = Request(tuple(range(60, 90)), SamplingParams(max_tokens=3, temperature=0.0), request_id="cold")
         eng.add_request(cold)
-        calls.clear()
-        eng.step(refill=_arrivals(eng, later, calls))
-        assert calls == []  # a prompt with no cached prefix takes the batch path: nobody is pulled in
+        eng.step()  # no direct admission: the batch runs (and takes the cold prompt in)
+        assert eng.stats.steps == batch_steps + 2 and eng.stats.direct_first_tokens == 3
     finally:
         eng.close()

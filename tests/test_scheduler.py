@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cache_tiers.store import Match
 from engine.config import EngineConfig
 from engine.scheduler import BatchView, Scheduler
 from engine.types import OverloadedError, Request, SamplingParams
@@ -14,7 +15,17 @@ def req(n: int, rid: str, priority: int = 0, t: float = 0.0) -> Request:
 
 
 def ids(out) -> list[str]:
-    return [r.request_id for r in out.admit]
+    return [a.request.request_id for a in out.admit]
+
+
+def held(lengths: dict[tuple[int, ...], int], key: slice = slice(None)):
+    """A prefix store's `find` over {prompt start: cached tokens}, counting its calls."""
+    def find(tokens: tuple[int, ...]) -> Match | None:
+        find.calls.append(tokens)
+        n = lengths.get(tokens[key], 0)
+        return Match(n, "ram") if n else None
+    find.calls = []
+    return find
 
 
 def test_fcfs_order_and_running_cap():
@@ -146,12 +157,12 @@ def test_siblings_whose_prefix_is_already_cached_start_together():
     shared = tuple(range(1, 201))
     for i in range(3):
         s.add_request(Request(shared + (i, i), request_id=f"hit{i}", arrival_time=i))
-    held = {shared: 180}  # the cache holds 180 of the 200 shared tokens
-    view = BatchView(share_tokens=64, cached_length=lambda p: held.get(p[:200], 0))
-    assert ids(s.schedule(view)) == ["hit0", "hit1", "hit2"]
+    find = held({shared: 180}, slice(0, 200))  # the cache holds 180 of the 200 shared tokens
+    view = BatchView(share_tokens=64)
+    assert ids(s.schedule(view, find)) == ["hit0", "hit1", "hit2"]
     s.add_request(Request(tuple(range(300, 500)) + (1,), request_id="cold0", arrival_time=3))
     s.add_request(Request(tuple(range(300, 500)) + (2,), request_id="cold1", arrival_time=4))
-    assert ids(s.schedule(view)) == ["cold0"]  # nothing of theirs is cached: the second waits
+    assert ids(s.schedule(view, find)) == ["cold0"]  # nothing of theirs is cached: the second waits
 
 
 def test_nobody_is_admitted_while_a_prompt_awaits_its_first_token():
@@ -190,9 +201,8 @@ def test_long_prompts_prefill_one_after_another_on_cpu():
 def test_long_prompt_with_a_cached_prefix_still_joins():
     s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000), on_cpu=True)
     s.add_request(Request(tuple(range(1000, 1558)), request_id="hit"))  # 520 cached, 38 to compute
-    view = BatchView(running=1, prefilling=1, prefill_tokens_left=200, prefill_min_left=200, prefill_max_left=200,
-                     cached_length=lambda p: 520)
-    assert ids(s.schedule(view)) == ["hit"]
+    view = BatchView(running=1, prefilling=1, prefill_tokens_left=200, prefill_min_left=200, prefill_max_left=200)
+    assert ids(s.schedule(view, lambda p: Match(520, "ram"))) == ["hit"]
 
 
 def test_long_prompts_batch_together_off_the_cpu():
@@ -200,3 +210,28 @@ def test_long_prompts_batch_together_off_the_cpu():
     for i, name in enumerate(("a", "b")):
         s.add_request(Request(tuple(range(1000, 1558)), request_id=name, arrival_time=float(i)))
     assert ids(s.schedule(BatchView())) == ["a", "b"]
+
+
+def test_the_plan_carries_each_admission_s_match_and_path_found_once():
+    """The store is asked once per request: the plan hands the engine what `find` said, and the
+    path it implies (direct: a long cached context with a short rest; else the batched prefill)."""
+    s = Scheduler(EngineConfig(prefill_chunk=512, max_batch_tokens=10_000, direct_first_token=64), on_cpu=False)
+    follow_up = tuple(range(1000, 1300))  # 280 cached, 20 to compute
+    s.add_request(Request(follow_up, request_id="turn2"))
+    s.add_request(Request(tuple(range(5000, 5300)), request_id="cold"))  # nothing cached
+    s.add_request(Request(tuple(range(2000, 2040)) + tuple(range(7000, 7260)), request_id="system"))  # 40 cached
+    find = held({follow_up[:10]: 280, tuple(range(2000, 2010)): 40}, slice(0, 10))
+    out = s.schedule(BatchView(), find)
+    plan = {a.request.request_id: a for a in out.admit}
+    assert plan["turn2"].match == Match(280, "ram") and plan["turn2"].direct
+    assert plan["cold"].match is None and not plan["cold"].direct
+    assert not plan["system"].direct  # 40 cached of 300: mostly a new prompt, prefilled in the batch
+    assert out.direct
+    assert sorted(find.calls) == sorted(r.request.prompt_tokens for r in out.admit)  # once each
+
+
+def test_a_too_short_match_counts_as_no_cached_prefix():
+    s = Scheduler(EngineConfig(direct_first_token=64), on_cpu=True)
+    s.add_request(Request(tuple(range(1, 40)), request_id="r"))
+    [admission] = s.schedule(BatchView(), lambda p: Match(30, "ram", too_short=True)).admit
+    assert admission.match.usable == 0 and not admission.direct
