@@ -79,9 +79,6 @@ class WorkloadSpec:
     turns: int = 1
     seed: int = 0
 
-    def scaled(self, factor: float) -> "WorkloadSpec":
-        return replace(self, num_requests=max(1, int(self.num_requests * factor)))
-
 
 def random_workload(spec: WorkloadSpec, maker: TextMaker) -> list[Conversation]:
     rng = random.Random(spec.seed)

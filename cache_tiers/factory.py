@@ -35,7 +35,7 @@ def ram_budget(config: CacheConfig, total_memory: int | None = None) -> int:
 
 def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | None = None,
                 total_memory: int | None = None, queue_bytes: int = 2**30) -> PrefixStore:
-    """A tiered store for one model (`fingerprint`, e.g. from `keys.model_fingerprint`).
+    """A tiered store for one model (`fingerprint`: modelio names the weights, config and dtype).
 
     `storage` replaces the diskcache directory (tests inject failures through it). An SSD
     directory that cannot be opened (read-only, missing mount) does not stop the engine: the

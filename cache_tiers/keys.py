@@ -13,9 +13,6 @@ prompt (see codec), so even a hash collision cannot serve wrong state.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -51,22 +48,3 @@ def entry_key(digest: bytes) -> str:
 def marker_key(digest: bytes) -> str:
     """Key of a marker saying "some entry extends through this block"; its value is that entry's key."""
     return "m/" + digest.hex()
-
-
-def model_fingerprint(model_path: str | os.PathLike[str], extra: str = "") -> str:
-    """A stable name for "the same weights, same config, same dtype" of a local model directory.
-
-    Hashes config.json and the names and sizes of the weight files (hashing gigabytes of weights
-    at every start would be too slow); `extra` carries what the directory does not say, such as
-    the dtype the engine casts to or a quantization choice, because those change the KV values.
-    """
-    path = Path(model_path)
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(path.iterdir())
-    for f in files:
-        if f.name == "config.json":
-            h.update(json.dumps(json.loads(f.read_text()), sort_keys=True).encode())
-        elif f.suffix in (".safetensors", ".gguf", ".npz", ".bin"):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-    h.update(extra.encode())
-    return h.hexdigest()[:32]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence
 
 Tier = Literal["ram", "ssd"]
-OfferKind = Literal["prompt", "finished", "checkpoint", "warmup"]
+OfferKind = Literal["prompt", "finished", "checkpoint"]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Rules, each for a reason:
 - A hit shorter than `min_restore_tokens` is reported as a miss: copying in a few tokens of
   state saves less than it costs, and a short hit would still make the engine take the slower
   cache-restore admission path.
-- Offers of finished requests, checkpoints and warm-ups are written through to the SSD at once
+- Offers of finished requests (warm-up prompts included) and checkpoints are written through to the SSD at once
   (they are what a restart or the next chat turn needs); "prompt" offers, usually superseded by
   the request's "finished" offer moments later, reach the SSD only when evicted from RAM or at
   `close`. Evicted entries always go down (the writer skips the bulky write when the entry is
@@ -30,7 +30,7 @@ from .store import Hit, Match, OfferKind
 
 log = logging.getLogger(__name__)
 
-WRITE_THROUGH: frozenset[str] = frozenset({"finished", "checkpoint", "warmup"})
+WRITE_THROUGH: frozenset[str] = frozenset({"finished", "checkpoint"})
 
 
 class TieredStore:

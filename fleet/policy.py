@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Container, Sequence
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,13 @@ class Decision:
     reason: str  # "affinity", "spill" or "balance" (metrics and tests)
 
 
-def matched_blocks(prompt_hashes: Sequence[str], held: frozenset[str] | set[str]) -> int:
-    """Leading blocks of the prompt found in `held`. The chain makes presence monotone along a
-    prompt (holding block k means holding the prefix through k), so stop at the first miss."""
+def matched_blocks(prompt_hashes: Sequence[str], *held: Container[str]) -> int:
+    """Leading blocks of the prompt found in any of `held` (what a replica reported, what the
+    router remembers sending it). The chain makes presence monotone along a prompt (holding block k
+    means holding the prefix through k), so stop at the first miss."""
     n = 0
     for h in prompt_hashes:
-        if h not in held:
+        if not any(h in blocks for blocks in held):
             break
         n += 1
     return n

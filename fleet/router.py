@@ -28,7 +28,7 @@ from typing import Any, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from fleet.keys import prefix_hashes, prompt_tokens_of
-from fleet.policy import PolicyParams, ReplicaView, decide
+from fleet.policy import PolicyParams, ReplicaView, decide, matched_blocks
 
 log = logging.getLogger("pomona.router")
 
@@ -135,14 +135,7 @@ class PrefixAffinityRouter(RequestRouter):
     def _matched(self, replica: RunningReplica, hashes: list[str]) -> int:
         if not hashes:
             return 0
-        reported = self._reported_set(replica)
-        remembered = self._remembered.get(replica.replica_id, {})
-        n = 0
-        for h in hashes:  # presence is monotone along the chain: stop at the first miss
-            if h not in reported and h not in remembered:
-                break
-            n += 1
-        return n
+        return matched_blocks(hashes, self._reported_set(replica), self._remembered.get(replica.replica_id, {}))
 
     def _reported_set(self, replica: RunningReplica) -> frozenset[str]:
         blocks = (replica.routing_stats or {}).get("prefix_blocks") or []
