@@ -212,7 +212,7 @@ class Run:
         self.completion: Completion | None = None
         self.batch_logprobs: list[dict[str, Any]] = []  # the latest batch's, for streamed logprobs
         self._closed = False
-        metrics.in_flight += 1
+        metrics.in_flight.inc()
 
     async def __aiter__(self) -> AsyncIterator[list[OutputEvent]]:
         batch: list[Any] | None = self._first
@@ -253,9 +253,9 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        self._metrics.in_flight -= 1
+        self._metrics.in_flight.dec()
         if not self.tracker.done:
-            self._metrics.disconnects += 1
+            self._metrics.disconnects.inc()
         await self._stream.aclose()  # cancels the LLM server's generator
 
 

@@ -34,7 +34,7 @@ from api.wire import sampling_to_wire
 from api.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
                                  too_large, unauthorized, unavailable, with_request_id)
 from api.generation import Pipeline
-from api.metrics import IngressMetrics
+from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, IngressMetrics
 from api.openai_chat import OpenAIChat
 from api.openapi import openapi_route
 from api.settings import AppSettings
@@ -240,7 +240,7 @@ class OpenAIServer:
             self.metrics.engine_stats_failed(exc)
         else:
             self.metrics.engine_stats_arrived()
-        return PlainTextResponse(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(self.metrics.render(engine), media_type=METRICS_CONTENT_TYPE)
 
     async def chat(self, request: Request) -> Response:
         dialect = OpenAIChat(self.settings.limits, self.settings.engine.max_tokens_limit,
@@ -309,7 +309,7 @@ class OpenAIServer:
                 await stream.aclose()  # type: ignore[attr-defined]
             self.metrics.count(route, err.status)
             return error_response(with_request_id(err, rid))
-        self.metrics.in_flight += 1
+        self.metrics.in_flight.inc()
         tracker = Tracker(self.metrics, started)
         shape = _Shape(rid, int(time.time()), self.model_name, parsed, oa.LogprobFormatter(_decoder(ready)))
         if parsed.stream:
@@ -333,9 +333,9 @@ class OpenAIServer:
             if closed:
                 return
             closed = True
-            self.metrics.in_flight -= 1
+            self.metrics.in_flight.dec()
             if not tracker.done:
-                self.metrics.disconnects += 1
+                self.metrics.disconnects.inc()
             await stream.aclose()  # type: ignore[attr-defined]  # cancels the LLM server's generator
         return close
 

@@ -57,7 +57,7 @@ class Tracker:
             self.metrics.ttft.observe(now - self.started)
         elif tokens:
             # Tokens that arrived together were generated over the whole gap: spread it evenly.
-            self.metrics.itl.observe((now - self.last) / tokens, times=tokens)
+            self.metrics.inter_token((now - self.last) / tokens, tokens)
         if tokens or self.last is None:
             self.last = now
         text = "".join(e.get("text") or "" for e in batch)
