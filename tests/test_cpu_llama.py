@@ -154,20 +154,62 @@ def _flat(model):
     return tree_flatten(model.parameters())
 
 
-def test_prefill_chunks_use_mlx_sdpa_and_decode_the_fast_softmax(models, monkeypatch) -> None:
-    """The materialised softmax is for decode-sized queries only: at prefill sizes it cost 1.5-3.8x
-    the CPU time of MLX's SDPA (benchmarks/attention_paths.py). Same logits either way."""
+def test_prefill_chunks_use_numpy_attention_and_decode_the_fast_softmax(models, monkeypatch) -> None:
+    """Prefill chunks (more than FAST_ATTENTION_MAX_QUERIES queries) go to `prefill_attention`,
+    decode-sized calls to the materialised fast softmax. Same logits as mlx-lm's model either way."""
     import modelio.cpu_llama as cpu_llama
 
     ref, fast = models
-    calls: list[int] = []
-    real = cpu_llama.attention
-    monkeypatch.setattr(cpu_llama, "attention", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    calls: list[tuple[str, int]] = []
+    for name in ("attention", "prefill_attention"):
+        real = getattr(cpu_llama, name)
+        monkeypatch.setattr(cpu_llama, name,
+                            lambda q, *a, _n=name, _f=real: calls.append((_n, q.shape[2])) or _f(q, *a))
     n = cpu_llama.FAST_ATTENTION_MAX_QUERIES + 8
     prompt = mx.array([[i % 200 + 3 for i in range(n)]])
     caches = make_prompt_cache(fast), make_prompt_cache(ref)
     got, want = fast(prompt, cache=caches[0]), ref(prompt, cache=caches[1])
-    assert calls == [] and mx.allclose(got, want, atol=1e-4).item()
+    layers = len(fast.model.layers)
+    assert calls == [("prefill_attention", n)] * layers and mx.allclose(got, want, atol=1e-4).item()
+    calls.clear()
     step = mx.array([[7]])
     got, want = fast(step, cache=caches[0]), ref(step, cache=caches[1])
-    assert calls == [1] * len(fast.model.layers) and mx.allclose(got, want, atol=1e-4).item()
+    assert calls == [("attention", 1)] * layers and mx.allclose(got, want, atol=1e-4).item()
+
+
+def _padding_mask(B: int, L: int, S: int, pads: list[int]) -> mx.array:
+    """(B, 1, L, S) causal mask with each row's first `pads[b]` keys masked (left padding)."""
+    q_pos = mx.arange(S - L, S)[:, None]
+    k_pos = mx.arange(S)[None]
+    causal = q_pos >= k_pos
+    return mx.stack([causal & (k_pos >= p) for p in pads])[:, None]
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool-padding", "additive", "none"])
+def test_prefill_attention_equals_mlx_sdpa(kind) -> None:
+    """Against MLX's own SDPA on the CPU: grouped KV heads, a batch of two, strided cache views, and
+    masks as mlx-lm builds them (a fully masked padding row stays finite, as MLX's is)."""
+    from modelio.cpu_llama import prefill_attention
+
+    with mx.stream(mx.cpu):
+        mx.random.seed(5)
+        B, H, Hk, L, S, D = 2, 6, 2, 40, 104, 16
+        q = mx.random.normal((B, H, L, D))
+        buffer = mx.random.normal((2, B, Hk, 256, D))  # a cache buffer larger than what is used
+        k, v = buffer[0][..., :S, :], buffer[1][..., :S, :]
+        if kind == "causal":
+            mask = "causal"
+        elif kind == "bool-padding":
+            mask = _padding_mask(B, L, S, [0, 70])  # row 2's first queries see only padding
+        elif kind == "additive":
+            mask = mx.random.normal((B, 1, L, S))
+        else:
+            mask = None
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        got = prefill_attention(q, k, v, 0.25, mask)
+        assert got.shape == want.shape and got.dtype == mx.float32
+        assert not mx.any(mx.isnan(got)).item()
+        if kind == "bool-padding":  # rows with every key masked: any finite value will do
+            seen = mx.any(_padding_mask(B, L, S, [0, 70]), axis=-1, keepdims=True)
+            got, want = mx.where(seen, got, 0), mx.where(seen, want, 0)
+        assert mx.allclose(got, want, atol=1e-5).item()
