@@ -1,12 +1,13 @@
-"""Attention on MLX's CPU backend: Pomona's materialised fast-softmax path vs MLX's SDPA, side by side.
+"""Attention on MLX's CPU backend: Pomona's two paths vs MLX's SDPA, side by side.
 
     python -m benchmarks.attention_paths
 
-Prints process CPU time per call (less sensitive than wall time to a shared box) for decode-sized
-and prefill-sized queries against 4-5k keys, SmolLM2-135M's head layout (9 query, 3 KV heads, dim
-64). `modelio.cpu_llama.FAST_ATTENTION_MAX_QUERIES` is set from where the ratio crosses 1.
-Measured 2026-12-02 on the 2-core box: 1 query 0.94x, 16 0.58x, 32 0.92x, 64 1.39x, 256 1.5x,
-350 (vs 4,750 keys) 1.5-1.9x, 2,048 3.8x (ours / SDPA).
+Prints wall time per call for decode-sized and prefill-sized queries against 4-5k keys, SmolLM2-135M's
+head layout (9 query, 3 KV heads, dim 64): MLX's SDPA, the materialised fast softmax (decode path,
+`modelio.cpu_llama.attention`) and NumPy's (prefill path, `prefill_attention`).
+`modelio.cpu_llama.FAST_ATTENTION_MAX_QUERIES` is set from where the fast softmax stops winning.
+Measured 2026-12-02 on the 2-core box, fast softmax / SDPA: 1 query 0.94x, 16 0.58x, 32 0.92x, 64
+1.39x, 256 1.5x, 350 (vs 4,750 keys) 1.5-1.9x, 2,048 3.8x.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ import time
 
 import mlx.core as mx
 
-from modelio.cpu_llama import attention
+from modelio.cpu_llama import attention, prefill_attention
 
-SHAPES = ((1, 4096), (8, 4096), (16, 4096), (32, 4096), (64, 4096), (256, 4608), (350, 4750))
+SHAPES = ((1, 4096), (8, 4096), (16, 4096), (32, 4096), (64, 4096), (256, 4608), (350, 4750), (2048, 4096))
 
 
-def cpu_ms(fn, repeats: int = 4) -> float:
+def wall_ms(fn, repeats: int = 4) -> float:
     fn()
-    started = time.process_time()
+    started = time.perf_counter()
     for _ in range(repeats):
         fn()
-    return (time.process_time() - started) / repeats * 1e3
+    return (time.perf_counter() - started) / repeats * 1e3
 
 
 def main() -> None:
@@ -33,10 +34,11 @@ def main() -> None:
         q, k, v = mx.random.normal((1, 9, L, 64)), mx.random.normal((1, 3, S, 64)), mx.random.normal((1, 3, S, 64))
         mx.eval(q, k, v)
         mask = "causal" if L > 1 else None
-        sdpa = cpu_ms(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)))
-        ours = cpu_ms(lambda: mx.eval(attention(q, k, v, 0.125, mask)))
-        print(f"{L:5d} queries x {S} keys: SDPA {sdpa:8.1f} ms CPU, fast softmax {ours:8.1f} ms CPU, "
-              f"ours/SDPA {ours / sdpa:.2f}", flush=True)
+        sdpa = wall_ms(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)))
+        fast = wall_ms(lambda: mx.eval(attention(q, k, v, 0.125, mask)))
+        numpy = wall_ms(lambda: mx.eval(prefill_attention(q, k, v, 0.125, mask)))
+        print(f"{L:5d} queries x {S} keys: SDPA {sdpa:8.1f} ms, fast softmax {fast:8.1f} ms ({fast / sdpa:.2f}x), "
+              f"NumPy {numpy:8.1f} ms ({numpy / sdpa:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
