@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.engine_common import ensure_blas
+from benchmarks.servers import ensure_blas
 
 ARRAY_GRAMMAR_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100000}
 PROMPT = "List, as a JSON array of strings, every fruit you can think of."

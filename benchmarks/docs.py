@@ -117,8 +117,8 @@ benchmarks/install_peers.sh          # once: vllm-mlx in .bench/venvs/vllm-mlx (
 Pomona runs as `serve run` on a config generated from `serve_config.yaml` (model set to the directory
 above, port changed) inside a private one-node Ray cluster started with an `apple_silicon` resource
 (what `pomona node start --head --dev-apple-silicon` provides). Each server's log is kept next to the
-results JSON. Issue-specific scripts: `python -m benchmarks.engine_vs_bare` (engine vs bare loop,
-16 concurrent) and `python -m benchmarks.prefix_ttft` (TTFT cold / RAM hit / SSD hit after restart).
+results JSON. Pomona's engine in one process, without Ray or HTTP, on the same prompts: `--engine`
+(`benchmarks/engine_loop.py`); engine and cache measurements: docs/measurements.md.
 """
 
 

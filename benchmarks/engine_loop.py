@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running)
     print(json.dumps(result), flush=True)
-    # MLX's CUDA backend can abort at interpreter exit once a second thread used it (docs/accelerators.md).
+    # MLX's CUDA backend can abort at interpreter exit once a second thread used it
+    # (benchmarks/results/accelerators-engine-runs.md).
     os._exit(0)
 
 

@@ -56,6 +56,14 @@ def blas_env() -> dict[str, str]:
     return {}
 
 
+def ensure_blas() -> None:
+    """Re-exec this process with OpenBLAS preloaded (Linux), as the servers run: LD_PRELOAD only
+    takes effect at process start, and MLX's bundled BLAS is ~15x slower on float32 GEMM."""
+    preload = blas_env().get("LD_PRELOAD")
+    if preload and preload not in os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "LD_PRELOAD": preload})
+
+
 def mlx_lm_server(model_dir: Path, port: int, eos_bias: dict[str, Any],
                   decode_concurrency: int | None = None) -> ServerSpec:
     batch = ("--decode-concurrency", str(decode_concurrency)) if decode_concurrency else ()
