@@ -30,7 +30,7 @@ class EngineConfig:
     # Admit nobody while an admitted prompt awaits its first token (mlx-lm returns it two steps
     # after the prompt is fed, and a newcomer's prefill would run inside both): lower TTFT.
     # "auto": on the CPU backend only; on a GPU the extra steps it causes cost 9-12% throughput at
-    # 128 concurrent (docs/accelerators.md, run F) while a step there is a few milliseconds.
+    # 128 concurrent (benchmarks/results/accelerators-engine-runs.md, run F) while a step there is a few milliseconds.
     first_token_first: bool | str = "auto"
     # On a prefix-cache hit, prefill the uncached rest of the prompt (up to this many tokens) outside
     # the batch and sample the first token at once: mlx-lm returns a new prompt's first token only

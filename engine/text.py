@@ -174,7 +174,7 @@ class TokensOnly:
 
     Only requests without stop strings qualify: nothing then depends on the text inside the engine,
     and detokenizing on the consumer's thread takes that per-token Python off the MLX thread (on a
-    GPU it otherwise adds to every step at high concurrency; run D/E in docs/accelerators.md).
+    GPU it otherwise adds to every step at high concurrency; run D/E in benchmarks/results/accelerators-engine-runs.md).
     """
 
     def add(self, token: int) -> TextDelta:
