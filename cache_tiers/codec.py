@@ -14,14 +14,15 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 import safetensors.numpy as stn
 
 from . import keys
-from .snapshot import SUPPORTED, LayerSnapshot, Snapshot
+from .snapshot import (CACHE_CLASSES, SCALARS, LayerSnapshot, Snapshot, cut_layer, is_trimmable, layer_lengths,
+                       leaves)
 
 _META = "pomona"
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16", "uint32": "U32", "int64": "I64",
@@ -57,21 +58,23 @@ def _host(a: mx.array, name: str, tensors: dict[str, np.ndarray], bf16: list[str
     return name
 
 
+def _layout(tree: Any, prefix: str, tensors: dict[str, np.ndarray], bf16: list[str]) -> dict[str, Any]:
+    """A JSON-able description of a state tree; arrays go to `tensors` under `prefix.k` names.
+    Lists and tuples stay apart: mlx-lm's `from_state` setters rely on which is which (an
+    `ArraysCache` assigns into its list)."""
+    if isinstance(tree, mx.array):
+        return {"a": _host(tree, f"{prefix}.{len(tensors)}", tensors, bf16)}
+    if isinstance(tree, (list, tuple)):
+        return {"l" if isinstance(tree, list) else "t": [_layout(t, prefix, tensors, bf16) for t in tree]}
+    return {"s": tree}
+
+
 def to_host(snap: Snapshot) -> HostEntry:
     """MLX thread: numpy views of the snapshot's arrays (no copy) and the layer layout."""
     tensors: dict[str, np.ndarray] = {"tokens": snap.tokens}
     bf16: list[str] = []
-    layers = []
-    for i, layer in enumerate(snap.layers):
-        slots: list[list[Any]] = []
-        for j, s in enumerate(layer.slots):
-            if isinstance(s, mx.array):
-                slots.append(["a", _host(s, f"{i}.{j}", tensors, bf16)])
-            elif isinstance(s, tuple):
-                slots.append(["t", [_host(a, f"{i}.{j}.{k}", tensors, bf16) for k, a in enumerate(s)]])
-            else:
-                slots.append(["s", s])
-        layers.append({"cls": layer.cls, "slots": slots})
+    layers = [{"cls": layer.cls, "state": _layout(layer.slots, str(i), tensors, bf16)}
+              for i, layer in enumerate(snap.layers)]
     meta = {"version": keys.FORMAT_VERSION, "trimmable": snap.trimmable, "layers": layers, "bf16": bf16}
     return HostEntry(tensors, meta)
 
@@ -128,23 +131,46 @@ def decode(data: bytes, fingerprint: str) -> HostEntry:
     return HostEntry(tensors, meta)
 
 
+def _tree(node: Any, leaf: Callable[[str], Any]) -> Any:
+    """Rebuild a state tree from its layout; `leaf` turns a tensor name into an array."""
+    if not isinstance(node, dict) or len(node) != 1:
+        raise CorruptEntry("bad layout node")
+    [(kind, value)] = node.items()
+    if kind == "a" and isinstance(value, str):
+        return leaf(value)
+    if kind in ("l", "t") and isinstance(value, list):
+        items = [_tree(v, leaf) for v in value]
+        return items if kind == "l" else tuple(items)
+    if kind == "s" and isinstance(value, SCALARS):
+        return value
+    raise CorruptEntry("bad layout node")
+
+
+def _exact_rows(x: np.ndarray, rows: int | None) -> np.ndarray:
+    if rows is not None and x.shape[-2] != rows:
+        raise CorruptEntry("array length does not match tokens")
+    return x
+
+
 def _validate(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Every layer a known class whose recorded lengths and token rows match the tokens, and the
+    trimmable flag what the layers say (a wrong flag would serve state at a wrong length)."""
     tokens = tensors["tokens"]
     if tokens.ndim != 1 or tokens.dtype != np.int64 or tokens.shape[0] == 0:
         raise CorruptEntry("bad tokens")
     n = int(tokens.shape[0])
+    trimmable = True
     for layer in meta["layers"]:
-        if layer["cls"] not in SUPPORTED:
-            raise CorruptEntry(f"unknown class {layer['cls']}")
-        slots = layer["slots"]
-        if slots[2] != ["s", n]:
+        cls = layer["cls"]
+        if cls not in CACHE_CLASSES:
+            raise CorruptEntry(f"unknown class {cls}")
+        state = _tree(layer["state"], tensors.__getitem__)
+        if not isinstance(state, tuple) or any(length != n for length in layer_lengths(cls, state)):
             raise CorruptEntry("offset does not match tokens")
-        names = [s[1] for s in slots if s[0] == "a"] + [x for s in slots if s[0] == "t" for x in s[1]]
-        for name in names:
-            if tensors[name].ndim != 4:
-                raise CorruptEntry("bad array rank")
-            if layer["cls"] != "RotatingKVCache" and tensors[name].shape[2] != n:
-                raise CorruptEntry("array length does not match tokens")
+        cut_layer(cls, state, n, _exact_rows)
+        trimmable = trimmable and is_trimmable(cls, state)
+    if meta["trimmable"] is not trimmable:
+        raise CorruptEntry("trimmable flag does not match the layers")
 
 
 def _device(name: str, entry: HostEntry) -> mx.array:
@@ -153,21 +179,11 @@ def _device(name: str, entry: HostEntry) -> mx.array:
 
 
 def from_host(entry: HostEntry) -> Snapshot:
-    """MLX thread: rebuild an evaluated Snapshot from a decoded entry."""
-    layers = []
-    for layer in entry.meta["layers"]:
-        slots: list[Any] = []
-        for kind, val in layer["slots"]:
-            if kind == "a":
-                slots.append(_device(val, entry))
-            elif kind == "t":
-                slots.append(tuple(_device(v, entry) for v in val))
-            else:
-                slots.append(val)
-        layers.append(LayerSnapshot(layer["cls"], tuple(slots)))
-    arrays = [a for l in layers for s in l.slots for a in (s if isinstance(s, tuple) else (s,))
-              if isinstance(a, mx.array)]
+    """MLX thread: rebuild an evaluated Snapshot from a decoded (validated) entry."""
+    layers = tuple(LayerSnapshot(layer["cls"], _tree(layer["state"], lambda name: _device(name, entry)))
+                   for layer in entry.meta["layers"])
+    arrays = [a for layer in layers for a in leaves(layer.slots)]
     mx.eval(*arrays)
     tokens = np.array(entry.tokens, dtype=np.int64)
     nbytes = sum(a.nbytes for a in arrays) + tokens.nbytes
-    return Snapshot(tokens, tuple(layers), nbytes, bool(entry.meta["trimmable"]))
+    return Snapshot(tokens, layers, nbytes, bool(entry.meta["trimmable"]))

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 # Bump whenever the serialized layout (codec) or the key scheme changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: layers as generic state trees (any mlx-lm cache class)
 _DIGEST = 16
 
 
@@ -48,3 +48,8 @@ def entry_key(digest: bytes) -> str:
 def marker_key(digest: bytes) -> str:
     """Key of a marker saying "some entry extends through this block"; its value is that entry's key."""
     return "m/" + digest.hex()
+
+
+def exact_marker_key(digest: bytes) -> str:
+    """Key of a marker saying "some exact (non-trimmable) entry ends at or past this block"."""
+    return "x/" + digest.hex()

@@ -3,7 +3,15 @@
 Layout. An entry covering k blocks is stored under `entry_key(chain[k-1])`; alongside, a small
 marker `marker_key(chain[j-1]) -> entry key` for every j <= k says "an entry extends through
 block j". Entries are written only at block boundaries (a trimmable cache is cut down to the
-largest multiple of block_size; a rotated cache that is not aligned is not stored).
+largest multiple of block_size; a non-trimmable one that is not aligned is not stored).
+
+Exact entries. A non-trimmable entry (a hybrid model's state-space layers, a rotated cache)
+serves only prompts that extend all of its k blocks, so "extends through block j" markers would
+point prompts that diverge inside it at an entry they cannot use, hiding shorter entries that
+would serve. Such an entry gets `exact_marker_key(chain[j-1])` markers instead, saying "an exact
+entry lies at or past block j"; they are monotone too. A probe binary-searches them for the last
+block J any exact entry reaches along the prompt, then asks for entry keys from J down (at most
+`EXACT_PROBES`): the first that exists ends on the prompt's own chain and serves it.
 
 Probe. Marker presence is (up to independent LRU eviction) monotone along a prompt's chain: if a
 marker exists at block j, one exists at every block before it. So the longest stored prefix is
@@ -24,16 +32,21 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from . import codec
-from .keys import block_chain, chain_seed, entry_key, marker_key
+from .keys import block_chain, chain_seed, entry_key, exact_marker_key, marker_key
 from .snapshot import Snapshot, common_prefix, truncate, usable_length
 from .stats import TierCounters
 from .storage import Storage, UnsafeRow, is_disk_full
 
 log = logging.getLogger(__name__)
+
+# Entry keys asked for below the last exact marker, at most: with checkpoints every 1,024 tokens
+# and 64-token blocks one lies within 16 blocks; this bounds a probe over stale markers.
+EXACT_PROBES = 64
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,8 @@ class SsdTier:
             return False
         snap = truncate(snap, k * self.block_size)
         chain = block_chain(snap.tokens, self.block_size, self.seed)
-        item = _Write(entry_key(chain[-1]), tuple(marker_key(d) for d in chain), codec.to_host(snap))
+        marker = marker_key if snap.trimmable else exact_marker_key
+        item = _Write(entry_key(chain[-1]), tuple(marker(d) for d in chain), codec.to_host(snap))
         size = item.entry.nbytes
         with self._lock:
             if not block and self._pending_bytes and self._pending_bytes + size > self._queue_bytes:
@@ -106,7 +120,9 @@ class SsdTier:
         `min_blocks` up. Reads markers only: the scheduler may ask before deciding to admit."""
         chain = block_chain(tokens, self.block_size, self.seed)
         try:
-            return self._longest_marker(chain, max(1, min_blocks))
+            lo = max(1, min_blocks)
+            cut = self._longest_marker(chain, lo, marker_key)
+            return max(cut, self._longest_exact(chain, max(lo, cut + 1), len(tokens)))
         except Exception as e:  # a failing disk must never fail a request
             self.counters.read_errors += 1
             log.warning("prefix cache: SSD read failed: %s", e)
@@ -124,23 +140,36 @@ class SsdTier:
             log.warning("prefix cache: SSD read failed: %s", e)
             return None
 
-    def _longest_marker(self, chain: list[bytes], lo: int) -> int:
-        best, hi = 0, len(chain)
+    def _longest_marker(self, chain: list[bytes], lo: int, key: Callable[[bytes], str],
+                        hi: int | None = None) -> int:
+        best, hi = 0, len(chain) if hi is None else hi
         while lo <= hi:
             mid = (lo + hi) // 2
-            if self.storage.contains(marker_key(chain[mid - 1])):
+            if self.storage.contains(key(chain[mid - 1])):
                 best, lo = mid, mid + 1
             else:
                 hi = mid - 1
         return best
 
+    def _longest_exact(self, chain: list[bytes], lo: int, prompt_len: int) -> int:
+        """The most blocks an exact entry on this chain covers, from `lo` up, leaving at least one
+        prompt token to feed (0: none). One lookup when there are no exact entries at all."""
+        hi = min(len(chain), (prompt_len - 1) // self.block_size)
+        if lo > hi or not self.storage.contains(exact_marker_key(chain[lo - 1])):
+            return 0
+        reach = self._longest_marker(chain, lo, exact_marker_key, hi)
+        for k in range(reach, max(lo, reach - EXACT_PROBES + 1) - 1, -1):
+            if self.storage.contains(entry_key(chain[k - 1])):
+                return k
+        return 0
+
     def _load(self, digest: bytes, blocks: int, tokens: np.ndarray) -> SsdMatch | None:
-        mkey = marker_key(digest)
+        mkey: str | None = marker_key(digest)
         bad = mkey  # the row to delete if what is read turns out damaged
         try:
             ekey = _named_entry(self.storage.get(mkey), len(digest))
-            if ekey is None:  # evicted between the probe and this read
-                return None
+            if ekey is None:  # no entry to cut here: an exact entry ends here, or none does any more
+                mkey, ekey = None, entry_key(digest)
             bad = ekey
             data = self.storage.get(ekey)
             if data is None:
@@ -154,21 +183,23 @@ class SsdTier:
             return None
         common = common_prefix(entry.tokens, tokens)
         if common < blocks * self.block_size:  # collision or stale marker: never serve
-            self.storage.delete(mkey)
+            self.storage.delete(mkey or ekey)
             return None
         snap = codec.from_host(entry)
         usable = usable_length(snap, common, len(tokens))
         return SsdMatch(snap, usable) if usable > 0 else None
 
-    def _drop_unreadable(self, mkey: str, ekey: str) -> None:
-        """A marker whose entry reads as nothing: evicted (a normal, stale marker), or a row whose
-        file is gone (the directory was deleted or its files removed): a fault, counted."""
+    def _drop_unreadable(self, mkey: str | None, ekey: str) -> None:
+        """An entry that reads as nothing: evicted (a normal, stale marker; an exact entry has no
+        marker of its own), or a row whose file is gone (the directory was deleted or its files
+        removed): a fault, counted."""
         if self.storage.contains(ekey):
             self.lost_files += 1
             log.warning("prefix cache: the file of SSD entry %s is missing (directory deleted?); "
                         "dropping the entry", ekey)
             self.storage.delete(ekey)
-        self.storage.delete(mkey)
+        if mkey is not None:
+            self.storage.delete(mkey)
 
     def flush(self) -> None:
         self._queue.join()
