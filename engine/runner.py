@@ -15,6 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.sampling import Decoding
 
@@ -59,6 +60,9 @@ class Runner:
         self._model = model
         self._config = config
         self._generator = self._new_generator()
+        # Where prefills stop for checkpoints (the engine asks `checkpoints.due`); a hybrid
+        # model's prompts are fed in segments that end there.
+        self.checkpoints = CheckpointPolicy.for_model(model, config)
         self._uid_to_id: dict[int, str] = {}
         self._id_to_uid: dict[str, int] = {}
 
@@ -77,8 +81,8 @@ class Runner:
     def insert(self, request_id: str, tokens: Sequence[int], cached: Sequence[int], cache: list[Any] | None,
                decoding: Decoding, max_tokens: int) -> None:
         """Start `tokens` (the uncached rest of the prompt) on top of `cache`, which covers `cached`."""
-        [uid] = self._generator.insert(
-            [list(tokens)],
+        [uid] = self._generator.insert_segments(
+            [self.checkpoints.segments(tokens, len(cached))],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[list(cached)] if cached else None,
