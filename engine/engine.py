@@ -211,8 +211,9 @@ class Engine:
                 self._offer(seq, self.runner.extract(seq.request_id), "checkpoint")
 
     def _checkpoint_due(self, seq: Sequence) -> bool:
-        every = self.config.checkpoint_every
-        return every is not None and seq.prefill_left > 0 and seq.prefill_done - seq.checkpointed >= every
+        # engine/checkpoints.py: every N tokens, or at absolute block boundaries for hybrid models
+        return self.runner.checkpoints.due(seq.cached_tokens + seq.prefill_done,
+                                           seq.cached_tokens + seq.checkpointed, seq.prompt_len)
 
     def _on_generated(self, generated: list[Generated]) -> list[TokenEvent]:
         events = []
