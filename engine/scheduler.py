@@ -163,7 +163,7 @@ class Scheduler:
                 break  # not enough memory; running requests finishing will free it
             heapq.heappop(self._heap)
             self._ids.discard(head.request_id)
-            admitted.append(Admission(head, match(head), self._direct(size, _usable(match(head)))))
+            admitted.append(Admission(head, match(head), self._direct(size, _usable(match(head)), idle=running == 0)))
             running, prefilling, tokens = running + 1, prefilling + 1, tokens + size
             shortest = size if shortest == 0 else min(shortest, size)
             longest = max(longest, size)
@@ -174,12 +174,20 @@ class Scheduler:
             heapq.heappush(self._heap, entry)
         return SchedulerOutput(tuple(admitted))
 
-    def _direct(self, size: int, cached: int) -> bool:
+    def _direct(self, size: int, cached: int, idle: bool) -> bool:
         """A long cached context with a short rest. A hit on a short shared start (the chat
         template's system prompt) leaves a mostly new prompt: computed alone, its rest costs ~40%
-        more per token on a CPU than in a batched prefill, and its own prefill dominates anyway."""
+        more per token on a CPU than in a batched prefill, and its own prefill dominates anyway.
+
+        The rest's bound (`direct_limit`) protects running requests, whose decode steps wait out a
+        direct prefill. With nobody running (an agent's next turn on a Mac serving one agent) any
+        rest goes direct: the batch path would only add its chunk-by-chunk steps and a copy of the
+        whole prompt's cache before the first token (a 300-800-token tool result on 4-8k cached
+        tokens: seconds on a CPU)."""
         rest = size - cached
-        return cached > 0 and rest <= self.direct_limit and cached >= rest
+        if not self.direct_limit:
+            return False  # the direct path is off
+        return cached > 0 and cached >= rest and (rest <= self.direct_limit or idle)
 
     def _prefills_alone(self, size: int, cached: Callable[[], int]) -> bool:
         """A long prompt on the CPU: more than one chunk left once its cached prefix is counted."""

@@ -235,3 +235,18 @@ def test_a_too_short_match_counts_as_no_cached_prefix():
     s.add_request(Request(tuple(range(1, 40)), request_id="r"))
     [admission] = s.schedule(BatchView(), lambda p: Match(30, "ram", too_short=True)).admit
     assert admission.match.usable == 0 and not admission.direct
+
+
+def test_any_rest_goes_direct_when_nobody_runs():
+    """An agent's next turn (a long cached context, a tool result longer than the direct limit):
+    direct when the batch is idle, since its prefill stalls nobody; batched when others decode."""
+    config = EngineConfig(prefill_chunk=256, max_batch_tokens=10_000, direct_first_token=64)
+    turn = tuple(range(1000, 1600))  # 450 cached, 150 to compute
+    for running, direct in ((0, True), (1, False)):
+        s = Scheduler(config, on_cpu=False)
+        s.add_request(Request(turn, request_id="turn"))
+        [admission] = s.schedule(BatchView(running=running), lambda p: Match(450, "ram")).admit
+        assert admission.direct is direct
+    off = Scheduler(EngineConfig(direct_first_token=None), on_cpu=True)
+    off.add_request(Request(turn, request_id="turn"))
+    assert not off.schedule(BatchView(), lambda p: Match(450, "ram")).admit[0].direct
