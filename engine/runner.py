@@ -21,6 +21,12 @@ from engine.sampling import Decoding
 
 log = logging.getLogger("pomona.engine")
 
+# A direct prefill runs alone (the batch waits for all of it anyway), so it is cut only to bound
+# one pass's memory, at mlx-lm's own prefill step: `prefill_chunk` (256 on the CPU, to interleave
+# decode steps with batched prefill) would cost a KV-buffer growth per chunk and leave a short
+# last chunk (an agent's 281-token tool result: 256 + 25).
+DIRECT_PREFILL_CHUNK = 2048
+
 
 @dataclass(frozen=True)
 class PromptProgress:
@@ -122,7 +128,7 @@ class Runner:
                             decoding: Decoding) -> tuple[int, mx.array]:
         with mx.stream(self._generator.stream):  # ordered after the batch's work in flight
             inputs = mx.array(list(tokens))[None]
-            chunk = self._config.prefill_chunk
+            chunk = max(self._config.prefill_chunk, DIRECT_PREFILL_CHUNK)
             while inputs.shape[1] > chunk:  # bound the memory of one pass, as mlx-lm does
                 self._model(inputs[:, :chunk], cache=cache)
                 mx.eval([c.state for c in cache])

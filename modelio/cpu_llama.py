@@ -31,9 +31,11 @@ from modelio.cpu_kernels import silu_mul, softmax
 
 log = logging.getLogger("pomona.models")
 
-# Queries per sequence up to which `attention` beats MLX's SDPA on the CPU (measured at 4k keys:
-# 16 queries 0.58x its CPU time, 32 0.92x, 64 1.39x, 256 1.5x).
-FAST_ATTENTION_MAX_QUERIES = 32
+# Queries per sequence up to which `attention` (MLX, fast softmax) is used: decode. From 4 queries up
+# NumPy's `prefill_attention` is 1.6-7x faster than it at 4-8k keys (benchmarks/attention_paths.py,
+# quiet box: 4 queries 2.8 vs 4.7 ms, 24 queries 10.5 vs 59 ms at 8k keys); at one query the two are
+# within a millisecond and the MLX path avoids a synchronisation per layer.
+FAST_ATTENTION_MAX_QUERIES = 1
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
@@ -56,6 +58,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) ->
     return (probs @ v).reshape(B, H, L, D)
 
 
+# Bytes of float32 scores one NumPy pass materialises at most: longer chunks are split by query rows
+# (a 2,048-query chunk against 32k keys would otherwise hold 2.4 GB of scores for SmolLM2's heads).
+SCORES_BYTES = 128 * 2**20
+
+
 def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
     """`attention` for prefill chunks, computed by NumPy on the evaluated arrays (float32 only).
 
@@ -66,20 +73,36 @@ def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
     padding in a batch) get finite uniform weights, as in `attention`, never NaN.
     """
     B, H, L, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    rep = H // Hk
+    S = k.shape[2]
     arrays = [q, k, v] + ([mask] if isinstance(mask, mx.array) else [])
     mx.eval(*arrays)
-    qn = np.asarray(q).reshape(B, Hk, rep * L, D) * np.float32(scale)
-    scores = np.matmul(qn, np.asarray(k).swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
+    qn, kn, vn = np.asarray(q), np.asarray(k), np.asarray(v)
+    m = None if mask is None or isinstance(mask, str) else np.asarray(mask)
+    rows = max(1, SCORES_BYTES // (4 * B * H * S))
+    out = np.empty((B, H, L, D), dtype=np.float32)
+    for start in range(0, L, rows):
+        stop = min(L, start + rows)
+        part = m[..., start:stop, :] if m is not None and m.shape[-2] == L else m
+        out[:, :, start:stop] = _attend(qn[:, :, start:stop], kn, vn, scale, mask if m is None else part,
+                                        causal_from=S - L + start)
+    return mx.array(out)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: Any, causal_from: int) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v for a block of query rows; a "causal" mask means query i
+    (of this block) sees keys up to `causal_from + i`."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    rep = H // Hk
+    scores = np.matmul(q.reshape(B, Hk, rep * L, D) * np.float32(scale), k.swapaxes(-1, -2))
+    scores = scores.reshape(B, Hk, rep, L, S)
     lowest = np.finfo(np.float32).min
-    if isinstance(mask, str):  # "causal": query i sees keys up to S - L + i
-        block = scores[..., S - L:]
-        block[..., np.triu(np.ones((L, L), dtype=bool), 1)] = lowest
+    if isinstance(mask, str) and causal_from + 1 < S:  # only keys past the first row's last are hidden
+        hidden = np.arange(causal_from + 1, S)[None, :] > (causal_from + np.arange(L))[:, None]
+        np.copyto(scores[..., causal_from + 1:], lowest, where=hidden)
     elif mask is not None:
-        m = np.asarray(mask)
-        m = m.reshape(*m.shape[:-3], Hk, rep, L, S) if m.ndim >= 3 and m.shape[-3] == H and H > 1 \
-            else np.expand_dims(m, -3)
+        m = mask.reshape(*mask.shape[:-3], Hk, rep, L, S) if mask.ndim >= 3 and mask.shape[-3] == H and H > 1 \
+            else np.expand_dims(mask, -3)
         if m.dtype == np.bool_:
             np.copyto(scores, lowest, where=~m)
         else:
@@ -87,8 +110,7 @@ def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask:
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores.reshape(B, Hk, rep * L, S), np.asarray(v))
-    return mx.array(out.reshape(B, H, L, D))
+    return np.matmul(scores.reshape(B, Hk, rep * L, S), v).reshape(B, H, L, D)
 
 
 def _grouped(mask: mx.array, H: int, Hk: int, rep: int) -> mx.array:

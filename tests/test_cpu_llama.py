@@ -185,12 +185,17 @@ def _padding_mask(B: int, L: int, S: int, pads: list[int]) -> mx.array:
     return mx.stack([causal & (k_pos >= p) for p in pads])[:, None]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "row-blocks"])
 @pytest.mark.parametrize("kind", ["causal", "bool-padding", "additive", "none"])
-def test_prefill_attention_equals_mlx_sdpa(kind) -> None:
+def test_prefill_attention_equals_mlx_sdpa(kind, split, monkeypatch) -> None:
     """Against MLX's own SDPA on the CPU: grouped KV heads, a batch of two, strided cache views, and
-    masks as mlx-lm builds them (a fully masked padding row stays finite, as MLX's is)."""
+    masks as mlx-lm builds them (a fully masked padding row stays finite, as MLX's is); also with
+    the scores bound so small that the queries go in blocks of a few rows."""
+    import modelio.cpu_llama as cpu_llama
     from modelio.cpu_llama import prefill_attention
 
+    if split:
+        monkeypatch.setattr(cpu_llama, "SCORES_BYTES", 4 * 2 * 6 * 104 * 7)  # 7 query rows a block
     with mx.stream(mx.cpu):
         mx.random.seed(5)
         B, H, Hk, L, S, D = 2, 6, 2, 40, 104, 16
