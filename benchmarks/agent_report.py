@@ -140,19 +140,30 @@ conversation as chat messages in the text Pomona renders for SmolLM2's template,
 section (tool list in the system prompt, `<tool_call>` / `<tool_response>` blocks), so the prompts are
 token for token the same ("prompt tokens" is the local count; each server's own count is shown too).
 TTFT: send to the first streamed output event (Anthropic `content_block_delta`, OpenAI delta content),
-on the client. Session: first send to last turn's end, turns back to back. Cached: the share of the
-prompt the server reports from its prefix cache (`cache_read_input_tokens`; `cached_tokens`).
+on the client. Session: {session_text(data)}. Cached: the share of the prompt the server reports
+from its prefix cache (`cache_read_input_tokens`; `cached_tokens`).
 
 {goals_table(goals(data))}
 
 {turn_table(data)}
 
-Servers started (one at a time, each fresh):
+Servers started ({started_text(data)}):
 ```
 {commands}
 ```
 {chr(10).join(f"- {n}" for n in all_notes) or "- no notes"}
 """
+
+
+def session_text(data: Mapping[str, Any]) -> str:
+    if data.get("order") == "interleaved":
+        return ("the sum of a server's turns; both servers were up and each turn went to one, then the "
+                "other (the first server alternating), so a drift of the box's speed falls on both")
+    return "first send to last turn's end, turns back to back"
+
+
+def started_text(data: Mapping[str, Any]) -> str:
+    return "both at once, turns interleaved" if data.get("order") == "interleaved" else "one at a time, each fresh"
 
 
 def write_docs(path: Path, data: Mapping[str, Any], notes: Sequence[str] = ()) -> Path:

@@ -9,7 +9,10 @@ The trace (benchmarks/agent_trace.py) is fixed: a ~3.8k-token system prompt with
 of (the assistant's tool call from the trace, a 200-800-token tool result), each asking for a short
 answer (greedy, `max_tokens` 32, held at that length by `ignore_eos` / an EOS logit bias, as in
 benchmarks/side_by_side.py). Both servers see prompts of the same tokens; the local count and each
-server's reported count are printed per turn. Servers run one at a time, each started fresh.
+server's reported count are printed per turn. By default both servers are up and each turn goes to
+one, then the other (`--order interleaved`): the box's speed drifts by tens of percent from one
+minute to the next, and interleaving puts that drift on both; `--order sequential` runs one whole
+session after the other.
 
 TTFT is client-side: from sending the request to the first streamed event that carries generated
 output (OpenAI: a chunk with delta content or reasoning; Anthropic: a `content_block_delta`, or the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -125,7 +129,8 @@ async def stream_chat_turn(client: httpx.AsyncClient, cfg: EndpointConfig, messa
                       "content" if r.text else "", r.text, r.error)
 
 
-async def run_session(send: Callable[[httpx.AsyncClient, int], Any], turns: int) -> tuple[list[TurnResult], float]:
+async def run_session(send: Callable[[httpx.AsyncClient, int], Any], turns: int,
+                      label: str = "") -> tuple[list[TurnResult], float]:
     """The turns back to back, as an agent with instant tools would send them; stops at a failure."""
     results: list[TurnResult] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), trust_env=False) as client:
@@ -133,7 +138,7 @@ async def run_session(send: Callable[[httpx.AsyncClient, int], Any], turns: int)
         for turn in range(1, turns + 1):
             result = await send(client, turn)
             results.append(result)
-            print(f"  turn {turn}: TTFT {result.ttft_s * 1000:7.0f} ms, e2e {result.e2e_s * 1000:7.0f} ms, "
+            print(f"  {label or f'turn {turn}'}: TTFT {result.ttft_s * 1000:7.0f} ms, e2e {result.e2e_s * 1000:7.0f} ms, "
                   f"prompt {result.prompt_tokens}, cached {result.cached_tokens}, out {result.output_tokens}"
                   + (f", ERROR {result.error}" if result.error else ""), flush=True)
             if not result.ok:
@@ -179,6 +184,34 @@ def run_server(name: str, api: str, model_dir: Path, port: int, out: Path, trace
             "loadavg_1m_after": os.getloadavg()[0]}
 
 
+def run_interleaved(names: list[str], apis: dict[str, str], model_dir: Path, base_port: int, out: Path,
+                    trace: AgentTrace, max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every server up at once, the turns sent to each in turn (turn k to A then B, turn k+1 to B then
+    A): one server works at a time, and a drift of the box's speed (consecutive runs of the same code
+    differed by 25% here) falls on both. Session time is the sum of a server's turns (back to back,
+    as an agent with instant tools sends them). Idle, the other server costs a few % of a core."""
+    specs = {name: make_spec(name, model_dir, base_port + i, out) for i, name in enumerate(names)}
+    with contextlib.ExitStack() as stack:
+        cfgs = {}
+        for name, spec in specs.items():
+            print(f"[{name}] starting: {spec.command_text}", flush=True)
+            running = stack.enter_context(launched(spec, out / "logs"))
+            cfgs[name] = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
+            ready_s = running.up_s + asyncio.run(wait_serving(cfgs[name], spec.ready_timeout_s))
+            asyncio.run(_warmup(cfgs[name]))
+            print(f"[{name}] serving after {ready_s:.1f} s; session over {apis[name]}", flush=True)
+        sends = {name: _sender(apis[name], cfgs[name], trace, max_tokens) for name in names}
+        turns: dict[str, list[TurnResult]] = {name: [] for name in names}
+        for turn in range(1, trace.turns + 1):
+            for name in (names if turn % 2 else names[::-1]):
+                [result], _ = asyncio.run(run_session(lambda client, _t, n=name, k=turn: sends[n](client, k), 1,
+                                                      label=f"[{name}] turn {turn}"))
+                turns[name].append(result)
+    return {name: {"label": name, "api": apis[name], "command": specs[name].command_text,
+                   "session_s": sum(t.e2e_s for t in turns[name]), "order": "interleaved",
+                   "turns": [asdict(t) for t in turns[name]]} for name in names}
+
+
 def token_counter(model_dir: Path) -> tuple[Any, Callable[[str], int]]:
     """The model's Hugging Face tokenizer and a token count of plain text with it."""
     from transformers import AutoTokenizer
@@ -203,6 +236,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pomona-api", choices=["messages", "chat"], default="messages",
                    help="Pomona's route: /v1/messages (the benchmark) or /v1/chat/completions (harness check)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
+                   help="interleaved: both servers up, each turn sent to one then the other (default); "
+                        "sequential: one server's whole session, then the other's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--base-port", type=int, default=18140)
     p.add_argument("--out", default=f"benchmarks/results/agent-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -235,10 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     data: dict[str, Any] = {"command": command.strip(), "commit": versions()["pomona commit"],
                             "model_dir": str(model_dir), "max_tokens": args.max_tokens,
                             "expected_prompt_tokens": expected, "servers": {}}
-    for i, name in enumerate(args.servers.split(",")):
-        api = args.pomona_api if name == "pomona" else "chat"
-        data["servers"][name] = run_server(name, api, model_dir, args.base_port + i, out, trace, args.max_tokens)
-        write_json(out / "results.json", data)  # after each server, so a crash keeps the other
+    names = args.servers.split(",")
+    apis = {name: args.pomona_api if name == "pomona" else "chat" for name in names}
+    if args.order == "interleaved" and all(not available(make_spec(n, model_dir, 0, out)) for n in names):
+        data["servers"] = run_interleaved(names, apis, model_dir, args.base_port, out, trace, args.max_tokens)
+    else:  # one server's whole session, then the other's (or a server is missing: run what is there)
+        for i, name in enumerate(names):
+            data["servers"][name] = run_server(name, apis[name], model_dir, args.base_port + i, out, trace,
+                                               args.max_tokens)
+            write_json(out / "results.json", data)  # after each server, so a crash keeps the other
+    data["order"] = args.order
+    write_json(out / "results.json", data)
     print_report(data)
     if args.docs and not args.quick:
         print(f"docs: {write_docs(Path(args.docs), data, args.note)}")
