@@ -188,12 +188,7 @@ def _text_block(block: Any, where: str) -> str:
 
 
 def parse_messages(value: Any, limits: oa.Limits) -> tuple[Message, ...]:
-    if not isinstance(value, list):
-        raise invalid("'messages' must be an array of {\"role\", \"content\"} objects.", param="messages")
-    if not value:
-        raise invalid("'messages' is empty; send at least one user message.", param="messages")
-    if len(value) > limits.max_messages:
-        raise invalid(f"'messages' may hold at most {limits.max_messages} messages.", param="messages")
+    value = oa.message_array(value, limits, "send at least one user message.")
     out: list[Message] = []
     for i, item in enumerate(value):
         out += _message(item, f"messages[{i}]", out)

@@ -129,12 +129,7 @@ def parse_response_format(value: Any, param: str = "response_format") -> OutputF
 
 
 def parse_messages(value: Any, limits: oa.Limits) -> tuple[Message, ...]:
-    if not isinstance(value, list):
-        raise invalid("'messages' must be an array of {\"role\", \"content\"} objects.", param="messages")
-    if not value:
-        raise invalid("'messages' is empty; send at least one message.", param="messages")
-    if len(value) > limits.max_messages:
-        raise invalid(f"'messages' may hold at most {limits.max_messages} messages.", param="messages")
+    value = oa.message_array(value, limits, "send at least one message.")
     return tuple(_message(m, i) for i, m in enumerate(value))
 
 

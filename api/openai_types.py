@@ -65,6 +65,17 @@ class Limits:
         return cls(**values)
 
 
+def message_array(value: Any, limits: Limits, empty_hint: str) -> list[Any]:
+    """`messages` as a non-empty array within `limits.max_messages` (chat and Anthropic's API)."""
+    if not isinstance(value, list):
+        raise invalid("'messages' must be an array of {\"role\", \"content\"} objects.", param="messages")
+    if not value:
+        raise invalid(f"'messages' is empty; {empty_hint}", param="messages")
+    if len(value) > limits.max_messages:
+        raise invalid(f"'messages' may hold at most {limits.max_messages} messages.", param="messages")
+    return value
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     """A validated request. `max_tokens` None means: the default, bounded by the room left in context."""

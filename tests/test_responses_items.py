@@ -3,27 +3,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
 
-from agent_helpers import in_process
 from api.responses_render import item_page
+from test_responses_api import run_app
 from test_responses_parse import WEATHER_TOOL
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 FIRST_INPUT = [{"role": "developer", "content": "Answer with tools."},
                {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}]
-
-
-def run_app(model_dir, tmp_path, body):
-    async def main():
-        async with in_process(model_dir, responses={"directory": str(tmp_path / "responses")}) as http:
-            client = openai.AsyncOpenAI(base_url="http://pomona.test/v1", api_key="x", http_client=http,
-                                        max_retries=0)
-            return await body(client, http)
-    return asyncio.run(main())
 
 
 def test_input_items_list_a_chain_in_order_and_page(tiny_model_dir, tmp_path):
