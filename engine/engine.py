@@ -169,7 +169,8 @@ class Engine:
         try:
             if direct:
                 first = self.runner.insert_after_first_token(
-                    seq.request_id, tokens[cached:], tokens[:cached], hit.cache, decoding, params.max_tokens)
+                    seq.request_id, tokens[cached:], tokens[:cached], hit.cache, decoding, params.max_tokens,
+                    on_checkpoint=lambda n, cache: self._offer(seq, (cache, list(tokens[:n])), "checkpoint"))
             else:
                 self.runner.insert(seq.request_id, tokens[cached:], tokens[:cached], hit.cache if hit else None,
                                    decoding, params.max_tokens)

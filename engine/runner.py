@@ -6,9 +6,10 @@ integer uids, and can throw the whole batch state away and start clean after a f
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -20,6 +21,9 @@ from engine.config import EngineConfig
 from engine.sampling import Decoding
 
 log = logging.getLogger("pomona.engine")
+
+# Called with the prompt tokens a prefill has covered and the cache there (to offer a checkpoint).
+Checkpoint = Callable[[int, list[Any]], None]
 
 # A direct prefill runs alone (the batch waits for all of it anyway), so it is cut only to bound
 # one pass's memory, at mlx-lm's own prefill step: `prefill_chunk` (256 on the CPU, to interleave
@@ -100,7 +104,8 @@ class Runner:
         self._id_to_uid[request_id] = uid
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
-                                 cache: list[Any] | None, decoding: Decoding, max_tokens: int) -> Generated:
+                                 cache: list[Any] | None, decoding: Decoding, max_tokens: int,
+                                 on_checkpoint: Checkpoint | None = None) -> Generated:
         """Prefill `tokens` on top of `cache` (covering `cached`) outside the batch, sample the first
         output token now, and continue the request in the batch unless that token ends it.
 
@@ -109,11 +114,13 @@ class Runner:
         `tokens`. The request then joins the batch as a one-token prompt (its first token) on the
         prefilled cache, so the rest of its output comes from `BatchGenerator` as usual. The first
         token goes through the same logits processors and sampler, with the same context (the
-        whole prompt), as mlx-lm would give it.
+        whole prompt), as mlx-lm would give it. A hybrid model's prefill stops at its checkpoint
+        positions (`checkpoints.segments`) and hands `on_checkpoint(tokens covered, cache)` the cache
+        there, as the batch path's prompt progress does.
         """
         prompt = list(cached) + list(tokens)
         cache = cache if cache is not None else make_prompt_cache(self._model, self._config.max_kv_size)
-        token, logprobs = self._prefill_and_sample(tokens, prompt, cache, decoding)
+        token, logprobs = self._prefill_and_sample(tokens, prompt, cache, decoding, on_checkpoint)
         # Pomona's stop sequences are single tokens (stop strings are matched on text), so a fresh
         # matcher decides whether the first token is one.
         reason = "stop" if decoding.stop_sequences.matcher().advance(token) else None
@@ -125,15 +132,10 @@ class Runner:
         return Generated(request_id, token, logprobs, None, None, None)
 
     def _prefill_and_sample(self, tokens: Sequence[int], prompt: list[int], cache: list[Any],
-                            decoding: Decoding) -> tuple[int, mx.array]:
+                            decoding: Decoding, on_checkpoint: Checkpoint | None) -> tuple[int, mx.array]:
         with mx.stream(self._generator.stream):  # ordered after the batch's work in flight
-            inputs = mx.array(list(tokens))[None]
-            chunk = max(self._config.prefill_chunk, DIRECT_PREFILL_CHUNK)
-            while inputs.shape[1] > chunk:  # bound the memory of one pass, as mlx-lm does
-                self._model(inputs[:, :chunk], cache=cache)
-                mx.eval([c.state for c in cache])
-                inputs = inputs[:, chunk:]
-            logits = last_logits(self._model, inputs, cache)
+            last = self._prefill_all_but_last(tokens, len(prompt) - len(tokens), cache, on_checkpoint)
+            logits = last_logits(self._model, mx.array(last)[None], cache)
             if decoding.logits_processors:
                 context = mx.array(prompt)
                 for process in decoding.logits_processors:
@@ -142,6 +144,23 @@ class Runner:
             sampled = decoding.sampler(logprobs)
             mx.eval(sampled, logprobs)
         return int(sampled.item()), logprobs[0]
+
+    def _prefill_all_but_last(self, tokens: Sequence[int], start: int, cache: list[Any],
+                              on_checkpoint: Checkpoint | None) -> list[int]:
+        """Run `tokens` (prompt positions from `start`) into `cache` but for the last piece, which
+        is returned: in pieces that bound one pass's memory and end at checkpoint positions."""
+        chunk = max(self._config.prefill_chunk, DIRECT_PREFILL_CHUNK)
+        segments = self.checkpoints.segments(tokens, start)
+        pieces = [segment[i:i + chunk] for segment in segments for i in range(0, len(segment), chunk)]
+        stops = set(itertools.accumulate((len(s) for s in segments[:-1]), initial=start))
+        position = start
+        for piece in pieces[:-1]:
+            self._model(mx.array(piece)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            position += len(piece)
+            if on_checkpoint is not None and position in stops:
+                on_checkpoint(position, cache)
+        return pieces[-1]
 
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         prompt_responses, generation_responses = self._generator.next()
