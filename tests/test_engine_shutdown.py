@@ -11,9 +11,12 @@ import asyncio
 import time
 from typing import Any
 
+import diskcache
 import pytest
 
 from cache_tiers.config import CacheConfig
+from cache_tiers.factory import build_store
+from cache_tiers.storage import DiskcacheStorage
 from engine.loop import default_store
 from engine.types import EngineClosedError, FinishReason, TokenEvent
 from engine_helpers import collect, make_engine, request, run
@@ -139,3 +142,42 @@ def test_commands_left_when_the_thread_stops_are_answered(tiny_model_dir):
         assert (await asyncio.wait_for(task, 10))[-1].error_code == "shutdown"
 
     run(main())
+
+
+class SlowDisk:
+    """The real diskcache storage, with each entry's write taking WRITE_S (markers are fast)."""
+
+    WRITE_S = 0.4
+
+    def __init__(self, inner: DiskcacheStorage) -> None:
+        self.inner = inner
+
+    def set(self, key: str, value: bytes) -> None:
+        if key.startswith("e/"):
+            time.sleep(self.WRITE_S)
+        self.inner.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_shutdown_returns_once_the_queued_ssd_writes_are_on_disk(tiny_model_dir, tmp_path):
+    """Finished requests' entries are queued for the SSD behind the request path; a slow disk keeps
+    them queued when the engine is told to stop. `shutdown` returns only once they are on disk: a
+    process that exits right after (a replica told to stop) keeps them for the next start."""
+    cache = CacheConfig(ssd_dir=str(tmp_path / "ssd"), ram_bytes=64 * 2**20, block_size=16, min_restore_tokens=8)
+
+    def slow_store(config, loaded):
+        disk = SlowDisk(DiskcacheStorage(config.cache.ssd_dir, config.cache.ssd_bytes))
+        return build_store(config.cache, loaded.fingerprint, storage=disk)
+
+    eng = make_engine(tiny_model_dir, store_factory=slow_store, cache=cache)
+    for i in range(3):
+        run(collect(eng, request(eng, PROMPT + f" Question {i}?", max_tokens=3)))
+    run(eng.shutdown())
+    on_disk = diskcache.Cache(cache.ssd_dir)
+    try:
+        entries = [key for key in on_disk.iterkeys() if key.startswith("e/")]
+    finally:
+        on_disk.close()
+    assert len(entries) >= 3, entries
