@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -14,10 +15,23 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Below Linux's ephemeral range (32768-60999), above Ray's worker ports (10002-19999) and the test
+# clusters' port bases (benchmarks/fleet_cluster.py: 21000-25800): a port the kernel hands out to
+# some Ray process's outgoing connection between this pick and the bind collided once
+# ("Failed to bind to address 127.0.0.1:44217" at serve.start).
+PORTS = range(32000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, from a range the kernel never hands out on its own."""
+    for port in random.sample(PORTS, len(PORTS)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 def tiny_args(model_dir: Path, **overrides: Any) -> dict[str, Any]:
