@@ -7,7 +7,7 @@ untimed pass, then the suite's random workload at `--concurrency` while `py-spy 
 Serve process (raw collapsed stacks, all threads, GIL holder marked) for `--seconds`. Prints per
 process: CPU seconds over the load, and per thread the share of samples and the top frames by
 self samples; the raw stacks go to $PYSPY_DIR/<variant>/pyspy-<process>.txt (default /tmp/pyspy). Variants: `ingress4` (4 ingress
-replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept).
+replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier.
 """
 
 from __future__ import annotations
@@ -30,15 +30,32 @@ from benchmarks.servers import launched
 from benchmarks.workloads import TextMaker, build, full_suite
 
 PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor")
-# name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process)
+THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+NO_SSD = {"ssd_dir": None}
+# name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process,
+# prefix-cache settings over serve_config.yaml's)
 VARIANTS = {
-    "default": ({}, {}),
-    "ingress4": ({"ingress": {"num_replicas": 4, "num_cpus": 0}}, {}),
-    "unpaced": ({"stream_items_per_s": 0}, {}),
+    "default": ({}, {}, {}),
+    "ingress4": ({"ingress": {"num_replicas": 4, "num_cpus": 0}}, {}, {}),
+    "unpaced": ({"stream_items_per_s": 0}, {}, {}),
     # Ray Serve's throughput-optimized mode (user code on the replica's main loop, router in the same
     # loop, gRPC between proxy and replicas, buffered access logs), keeping its HTTP proxy.
-    "throughput": ({}, {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}),
+    "throughput": ({}, THROUGHPUT_ENV, {}),
+    # The same without the SSD tier: what the stack costs apart from the prefix cache's host work.
+    "nossd": ({}, {}, NO_SSD),
+    "unpaced-nossd": ({"stream_items_per_s": 0}, {}, NO_SSD),
+    "throughput-nossd": ({}, THROUGHPUT_ENV, NO_SSD),
 }
+
+
+def base_cache() -> dict:
+    """serve_config.yaml's prefix-cache settings (a variant changes some of them)."""
+    import yaml
+
+    from benchmarks.pomona_server import SERVE_CONFIG
+
+    app = (yaml.safe_load(SERVE_CONFIG.read_text()).get("applications") or [{}])[0]
+    return dict(((app.get("args") or {}).get("engine") or {}).get("cache") or {})
 
 
 def pids_of(name: str) -> list[int]:
@@ -103,9 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(os.environ.get("PYSPY_DIR", "/tmp/pyspy")) / args.variant
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model_dir)
-    app_args, env = VARIANTS[args.variant]
+    app_args, env, cache = VARIANTS[args.variant]
+    engine = {"max_running": 128, "cache": {**base_cache(), **cache}}
     spec = pomona_server(model, args.port, Path("/tmp/prof-run"), eos_extra_body("ignore_eos", []),
-                         engine={"max_running": 128}, app_args=app_args,
+                         engine=engine, app_args=app_args,
                          name=f"pomona-{args.variant}")  # its own SSD cache directory: cold prompts
     spec = replace(spec, env={**spec.env, **env})
     suite = full_suite()

@@ -63,7 +63,8 @@ mv "$DIR/bundle.sha256" "$DIR/p$N/"
 
 SRC="$DIR/p$N/src"
 mkdir -p "$SRC"
-git archive HEAD engine cache_tiers deployments benchmarks tests scripts pyproject.toml serve_config.yaml \
+git archive HEAD engine cache_tiers modelio fleet api deployments benchmarks tests scripts pyproject.toml \
+  serve_config.yaml \
   | tar -x -C "$SRC"
 echo "HEAD $(git rev-parse HEAD)" > "$SRC/REVISION"
 du -sh "$DIR"/p*

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from benchmarks.client import percentile
 
 
-def engine_config(model_dir: str, max_running: int | None, ssd_dir: str) -> Any:
+def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None) -> Any:
     import yaml
 
     from benchmarks.pomona_server import SERVE_CONFIG
@@ -34,7 +34,7 @@ def engine_config(model_dir: str, max_running: int | None, ssd_dir: str) -> Any:
         engine["max_running"] = max_running
     cache = dict(engine.get("cache") or {})
     if cache.get("ssd_dir"):
-        cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/pomona_server.py)
+        cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/pomona_server.py); None: no SSD tier
     engine["cache"] = cache
     return EngineConfig.from_dict(engine)
 
@@ -80,7 +80,8 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
             "itl_ms_p50": percentile(gaps, 50) * 1000 if gaps else None}
 
 
-def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None) -> dict[str, Any]:
+def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
+          ssd: bool = True) -> dict[str, Any]:
     from benchmarks.bare_loop import chat_prompts
     from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite, quick_suite
     from engine.loop import AsyncEngine
@@ -88,8 +89,8 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
     suite = quick_suite() if quick else full_suite()
     maker = TextMaker(model_dir)
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as ssd:
-        engine = AsyncEngine(engine_config(model_dir, max_running, ssd))
+    with tempfile.TemporaryDirectory() as ssd_dir:
+        engine = AsyncEngine(engine_config(model_dir, max_running, ssd_dir if ssd else None))
 
         async def main() -> None:
             await engine.wait_ready()
@@ -117,8 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--concurrency", default="1,8,16,32")
     p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--no-ssd", action="store_true", help="no SSD tier (serve_config.yaml has one)")
     args = p.parse_args(argv)
-    result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running)
+    result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
+                   ssd=not args.no_ssd)
     print(json.dumps(result), flush=True)
     # MLX's CUDA backend can abort at interpreter exit once a second thread used it
     # (benchmarks/results/accelerators-engine-runs.md).
