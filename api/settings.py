@@ -82,6 +82,9 @@ class AppSettings:
     # Stream items/s each LLM server replica sends through Ray Serve, all streams together
     # (deployments/engine_host.py StreamPacing); 0 sends one item per engine step per request.
     stream_items_per_s: float = 1000.0
+    # One Ray item per engine step from each LLM server replica to each ingress replica, carrying every
+    # request's events (deployments/channels.py); false: one Ray stream item per request per send.
+    step_channel: bool = True
     responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (api/response_store.py)
     tool_parser: str | None = None  # an mlx_lm.tool_parsers module name; None: the model's own, else the fallback
     # Other names clients may send as `model` for the served model: exact names or fnmatch patterns

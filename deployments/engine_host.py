@@ -26,6 +26,31 @@ HEALTH_PROBE_TIMEOUT_S = 20.0  # longer than the slowest bounded step (one prefi
 # would need 10,000. Below this budget nothing waits; above it each stream sends fewer, fuller items.
 DEFAULT_STREAM_ITEMS_PER_S = 1000.0
 MAX_PACING_INTERVAL_S = 0.2  # the most any token waits for company, however many streams run
+CHANNEL_IDLE_S = 5.0  # a step channel with no request for this long ends (Serve's drain waits for it)
+CHANNEL_GATHER_S = 0.001  # after the first event of a step, let the other requests' events join the item
+
+
+class Outbox:
+    """Events for one ingress replica's step channel, gathered between the channel's sends.
+
+    Each request's pump puts its events here; the channel takes everything at once, so an engine
+    step that advanced 128 requests becomes one Ray item, not 128 (deployments/channels.py reads it).
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[dict[str, Any]]] = {}
+        self.ready = asyncio.Event()
+        self.open = 0  # requests of this ingress running here
+        self.generation = 0  # a newer subscription replaces an older one (the ingress re-subscribed)
+
+    def put(self, request_id: str, events: list[dict[str, Any]]) -> None:
+        self.pending.setdefault(request_id, []).extend(events)
+        self.ready.set()
+
+    def take(self) -> dict[str, list[dict[str, Any]]]:
+        out, self.pending = self.pending, {}
+        self.ready.clear()
+        return out
 
 
 @dataclass(frozen=True)
@@ -51,7 +76,7 @@ class EngineHost:
     """The engine plus the conversions around it; one per LLM server replica."""
 
     def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None,
-                 pacing: StreamPacing = StreamPacing()) -> None:
+                 pacing: StreamPacing = StreamPacing(), replica_key: str = "") -> None:
         if engine_factory is None:
             from engine.loop import AsyncEngine
 
@@ -60,6 +85,9 @@ class EngineHost:
         self.engine = engine_factory(config)
         self.pacing = pacing
         self._active = 0  # streams between their first event and their end: they share the budget
+        self.replica_key = replica_key  # what a step channel names to reach this replica
+        self._outboxes: dict[str, Outbox] = {}
+        self._closed = False  # shut down: channels end once their requests have
 
     @property
     def active_streams(self) -> int:
@@ -83,13 +111,18 @@ class EngineHost:
                 "default_max_tokens": self.config.default_max_tokens, "pid": os.getpid()}
 
     async def stream(self, prompt_tokens: Sequence[int], params: Mapping[str, Any],
-                     request_id: str) -> AsyncIterator[Any]:
+                     request_id: str, channel: str | None = None) -> AsyncIterator[Any]:
         """Yield everything available, paced by `self.pacing`; abort when the consumer leaves.
 
         The engine's `stream` coalesces: asked for its next batch, it returns every event made
         since the last ask. A Ray streaming `yield` returns at once, so unpaced, each engine step
         becomes one item per request. Pacing waits out the stream's interval before asking again,
         so the events of the steps in between travel as one item. The first batch never waits.
+
+        With `channel` (an ingress replica's key), only the first batch is yielded here, as
+        `{"replica": key, "events": [...]}`; the rest goes to that ingress's step channel
+        (`channel()`), and this stream stays open until the request ends: Serve still counts,
+        routes and cancels it as one request.
         """
         try:
             request = Request(prompt_tokens=tuple(prompt_tokens), params=sampling_from_wire(params),
@@ -107,20 +140,17 @@ class EngineHost:
                 # propagates (the ingress answers 500, never a 400 for our own fault).
                 yield rejection(exc)
                 return
-            sent = time.monotonic()
-            yield [event_to_wire(e) for e in first]
+            wire = [event_to_wire(e) for e in first]
             finished = bool(first) and first[-1].finished
-            while not finished:
-                wait = sent + self.pacing.interval(self._active) - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                try:
-                    batch = await batches.__anext__()
-                except StopAsyncIteration:
-                    return
-                sent = time.monotonic()
-                finished = bool(batch) and batch[-1].finished
-                yield [event_to_wire(e) for e in batch]
+            if channel is None:
+                yield wire
+                if not finished:
+                    async for item in self._paced(batches):
+                        yield item
+            else:
+                yield {"replica": self.replica_key, "events": wire}
+                if not finished:
+                    await self._pump(batches, request_id, channel)
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away (Ray Serve cancels this generator): free the slot at the next step.
             self.engine.abort(request_id)
@@ -128,6 +158,65 @@ class EngineHost:
         finally:
             self._active -= 1
             await _close_quietly(batches)
+
+    async def _paced(self, batches: AsyncIterator[Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        sent = time.monotonic()
+        while True:
+            wait = sent + self.pacing.interval(self._active) - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            try:
+                batch = await batches.__anext__()
+            except StopAsyncIteration:
+                return
+            sent = time.monotonic()
+            yield [event_to_wire(e) for e in batch]
+            if batch and batch[-1].finished:
+                return
+
+    async def _pump(self, batches: AsyncIterator[Any], request_id: str, channel: str) -> None:
+        """The request's events into its ingress's outbox, until its last one is there."""
+        box = self._outboxes.setdefault(channel, Outbox())
+        box.open += 1
+        completed = False
+        try:
+            async for batch in batches:
+                box.put(request_id, [event_to_wire(e) for e in batch])
+                if batch and batch[-1].finished:
+                    completed = True
+                    return
+        finally:
+            box.open -= 1
+            if not completed:
+                box.pending.pop(request_id, None)  # cancelled: nobody reads these
+            if box.open == 0 and not box.pending and box.generation == 0:
+                self._outboxes.pop(channel, None)  # never subscribed (its ingress is gone)
+
+    async def channel(self, key: str) -> AsyncIterator[dict[str, list[dict[str, Any]]]]:
+        """One ingress replica's step channel: `{request_id: events}` per engine step, for every
+        request that ingress runs here. Ends after `CHANNEL_IDLE_S` without requests (or at once
+        once the engine is closed), and when a newer subscription of the same key replaces it."""
+        box = self._outboxes.setdefault(key, Outbox())
+        box.generation += 1
+        mine = box.generation
+        try:
+            while box.generation == mine:
+                if not box.pending:
+                    if box.open == 0 and self._closed:
+                        return
+                    try:
+                        await asyncio.wait_for(box.ready.wait(), CHANNEL_IDLE_S)
+                    except asyncio.TimeoutError:
+                        if box.open == 0 and not box.pending:
+                            return
+                        continue
+                    box.ready.clear()  # a put from here on sets it again; take() gets that one too
+                    await asyncio.sleep(CHANNEL_GATHER_S)
+                if box.generation == mine and box.pending:
+                    yield box.take()
+        finally:
+            if box.generation == mine and box.open == 0 and not box.pending:
+                self._outboxes.pop(key, None)
 
     async def routing_stats(self) -> dict[str, Any]:
         """Published to request routers (fleet/router.py): load, and the prefix blocks held."""
@@ -174,7 +263,12 @@ class EngineHost:
         return {"replica": {"pid": os.getpid(), "host": socket.gethostname()}, **result}
 
     async def shutdown(self, drain_s: float) -> None:
-        await self.engine.shutdown(drain_s=drain_s)
+        try:
+            await self.engine.shutdown(drain_s=drain_s)
+        finally:
+            self._closed = True
+            for box in self._outboxes.values():
+                box.ready.set()  # wake idle channels: they end now, not CHANNEL_IDLE_S later
 
 
 async def _close_quietly(gen: Any) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
@@ -14,6 +16,8 @@ from starlette.applications import Starlette
 
 from modelio.models import tokenizer_for
 from api.errors import ApiError, overloaded, server_error, unavailable
+from deployments.channels import ChannelLost, StepChannels
+from deployments.engine_host import StreamPacing
 from deployments.failover import retry_before_first
 from api.server import OpenAIServer
 from api.settings import AppSettings
@@ -24,19 +28,33 @@ log = logging.getLogger("pomona.ingress")
 def _ray_error(exc: BaseException) -> ApiError:
     if isinstance(exc, BackPressureError):
         return overloaded("Every model server replica is at capacity; retry after a short delay.", 1.0)
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)):
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
+                        ChannelLost)):
         return unavailable("The model server replica went away (restarting or overloaded); retry the request.")
     log.error("model server call failed: %s", exc)
     return server_error("The model server failed on this request; retrying is safe.")
 
 
-class HandleBackend:
-    """`Backend` over a Ray Serve deployment handle; maps Ray's failures to API errors."""
+RAY_FAILURES = (RayActorError, RayTaskError, BackPressureError, DeploymentUnavailableError, ActorUnavailableError,
+                ChannelLost)
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+
+class HandleBackend:
+    """`Backend` over a Ray Serve deployment handle; maps Ray's failures to API errors.
+
+    With `step_channels`, events after a request's first batch arrive on deployments/channels.py's
+    per-replica channels, and this ingress paces its SSE writes (Serve's proxy hop carries one item
+    per write) with `pacing`, shared by all its streams.
+    """
+
+    def __init__(self, handle: DeploymentHandle, step_channels: bool = False,
+                 pacing: StreamPacing = StreamPacing()) -> None:
         self._handle = handle
         self._streaming = handle.options(stream=True)
         self.on_failover: Callable[[], None] | None = None  # set by the ingress: counts in /metrics
+        self._channels = StepChannels(handle) if step_channels else None
+        self._pacing = pacing
+        self._active = 0
 
     async def stream(self, prompt_tokens: list[int], params: dict[str, Any],
                      request_id: str) -> AsyncIterator[Any]:
@@ -49,6 +67,10 @@ class HandleBackend:
 
     async def _stream_once(self, prompt_tokens: list[int], params: dict[str, Any],
                            request_id: str) -> AsyncIterator[Any]:
+        if self._channels is not None:
+            async for item in self._stream_channel(prompt_tokens, params, request_id, self._channels):
+                yield item
+            return
         responses = self._streaming.generate.remote(prompt_tokens, params, request_id)
         finished = False
         try:
@@ -57,10 +79,49 @@ class HandleBackend:
                 yield item
         except (RequestCancelledError, GeneratorExit):
             raise
-        except (RayActorError, RayTaskError, BackPressureError, DeploymentUnavailableError,
-                ActorUnavailableError) as exc:
+        except RAY_FAILURES as exc:
             raise _ray_error(exc) from exc
         finally:
+            if not finished:
+                responses.cancel()  # Serve cancels the LLM server's generator -> engine abort
+
+    async def _stream_channel(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str,
+                              channels: StepChannels) -> AsyncIterator[Any]:
+        """The first batch from the request's own stream, the rest from its replica's step channel."""
+        queue = channels.open(request_id)
+        responses = self._streaming.generate.remote(prompt_tokens, params, request_id, channels.key)
+        finished, watcher = False, None
+        self._active += 1
+        try:
+            first = await responses.__anext__()
+            if "replica" not in first:  # a rejection
+                finished = True
+                yield first
+                return
+            finished = _finished(first["events"])
+            yield first["events"]
+            if finished:
+                return
+            channels.bind(request_id, first["replica"])
+            watcher = asyncio.ensure_future(_failures_into(responses, queue))
+            sent = time.monotonic()
+            while not finished:
+                wait = sent + self._pacing.interval(self._active) - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                batch = await _gather(queue)
+                sent = time.monotonic()
+                finished = _finished(batch)
+                yield batch
+        except (RequestCancelledError, GeneratorExit):
+            raise
+        except RAY_FAILURES as exc:
+            raise _ray_error(exc) from exc
+        finally:
+            self._active -= 1
+            channels.close(request_id)
+            if watcher is not None:
+                watcher.cancel()
             if not finished:
                 responses.cancel()  # Serve cancels the LLM server's generator -> engine abort
 
@@ -80,9 +141,41 @@ class HandleBackend:
         """One replica's status or cache administration (api/admin.py fans out)."""
         try:
             return await self._handle.admin.remote(action, tier)
-        except (RayActorError, RayTaskError, BackPressureError, DeploymentUnavailableError,
-                ActorUnavailableError) as exc:
+        except RAY_FAILURES as exc:
             raise _ray_error(exc) from exc
+
+
+def _finished(events: list[dict[str, Any]]) -> bool:
+    return bool(events) and bool(events[-1].get("finish"))
+
+
+async def _gather(queue: asyncio.Queue) -> list[dict[str, Any]]:
+    """Every event list queued so far, as one (at least one: waits for it). A failure queued
+    behind events is put back, so the events reach the client before the error does."""
+    out: list[dict[str, Any]] = []
+    item = await queue.get()
+    while True:
+        if isinstance(item, BaseException):
+            if out:
+                queue.put_nowait(item)
+                return out
+            raise item
+        out.extend(item)
+        if queue.empty():
+            return out
+        item = queue.get_nowait()
+
+
+async def _failures_into(responses: Any, queue: asyncio.Queue) -> None:
+    """The request's own stream yields nothing after its first item: it only ends, or fails
+    (the replica died, Ray failed); a failure goes to the queue its events arrive on."""
+    try:
+        async for _ in responses:
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        queue.put_nowait(exc)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=2000)
@@ -90,7 +183,8 @@ class HandleBackend:
 class Ingress:
     def __init__(self, llm: DeploymentHandle, settings: AppSettings) -> None:
         keys = settings.all_api_keys()  # read here: env and key file of the replica's node
-        backend = HandleBackend(llm)
+        backend = HandleBackend(llm, step_channels=settings.step_channel,
+                                pacing=StreamPacing(settings.stream_items_per_s))
         self._server = OpenAIServer(settings, backend, functools.partial(tokenizer_for, settings.model), api_keys=keys)
         backend.on_failover = self._server.metrics.failover
         log.info("ingress for %s: %d API key(s) configured", settings.served_name(), len(keys))

@@ -40,7 +40,8 @@ class LLMServer:
         self._status = ModelStatus.on_board(settings.served_name(), settings.engine.model)
         try:
             await self._status.prepare(settings.engine.model)
-            self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s))
+            self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s),
+                                    replica_key=serve.get_replica_context().replica_id.unique_id)
             await self._host.start()
         except Exception as exc:
             self._status.set(phase="failed", error=str(exc))
@@ -49,13 +50,23 @@ class LLMServer:
         self._status.set(phase="ready")
 
     async def generate(self, prompt_tokens: list[int], params: dict[str, Any],
-                       request_id: str) -> AsyncIterator[Any]:
-        """Stream a rejection or event batches (see engine_host's wire format).
+                       request_id: str, channel: str | None = None) -> AsyncIterator[Any]:
+        """Stream a rejection or event batches (see engine_host's wire format); with `channel`,
+        the first batch only, the rest on that ingress's step channel (deployments/channels.py).
 
         Ray Serve cancels this generator when the caller goes away; `EngineHost.stream` turns the
         cancellation into an engine abort, effective at the next step.
         """
-        async for item in self._host.stream(prompt_tokens, params, request_id):
+        async for item in self._host.stream(prompt_tokens, params, request_id, channel):
+            yield item
+
+    async def channel(self, key: str, replica: str) -> AsyncIterator[Any]:
+        """An ingress replica's step channel: one item per engine step for all its requests here.
+        The request routers pin this call to `replica` (fleet/router.py); anywhere else it says so."""
+        if replica != self._host.replica_key:
+            yield {"wrong_replica": self._host.replica_key}
+            return
+        async for item in self._host.channel(key):
             yield item
 
     def info(self) -> dict[str, Any]:

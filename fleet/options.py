@@ -9,6 +9,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from fleet.settings import FleetSettings
 
 ROUTER_CLASS = "fleet.router:PrefixAffinityRouter"
+LOAD_ROUTER_CLASS = "fleet.router:LoadRouter"  # "default": Serve's policy, plus step-channel pinning
 
 
 def router_config(fleet: FleetSettings, block_size: int) -> RequestRouterConfig:
@@ -19,15 +20,17 @@ def router_config(fleet: FleetSettings, block_size: int) -> RequestRouterConfig:
             request_router_kwargs={"saturation": fleet.saturation, "imbalance": fleet.imbalance,
                                    "block_size": block_size},
             request_routing_stats_period_s=fleet.stats_period_s)
-    return RequestRouterConfig(request_routing_stats_period_s=fleet.stats_period_s)
+    if fleet == FleetSettings():  # no fleet block: Serve's stats period (no prefix reports needed)
+        return RequestRouterConfig(request_router_class=LOAD_ROUTER_CLASS)
+    return RequestRouterConfig(request_router_class=LOAD_ROUTER_CLASS,
+                               request_routing_stats_period_s=fleet.stats_period_s)
 
 
 def with_fleet_options(options: Mapping[str, Any], fleet: FleetSettings, block_size: int) -> dict[str, Any]:
     """`LLMServer.options(...)` arguments plus routing and, when bounded, autoscaling (which
     replaces a fixed `num_replicas`: Serve refuses both)."""
     out = dict(options)
-    if fleet == FleetSettings():
-        return out  # no fleet block: Serve's defaults, exactly as before
+    # Always one of ours: the step channels (deployments/channels.py) need their calls pinned.
     out["request_router_config"] = router_config(fleet, block_size)
     if fleet.autoscaling:
         out.pop("num_replicas", None)

@@ -38,6 +38,36 @@ MAX_PENDING = 10_000  # requests chosen for but not yet routed (bounds memory if
 SUSPECT_S = 15.0  # a replica that could not be reached is avoided this long (its node may be gone)
 
 
+CHANNEL_METHOD = "channel"  # LLMServer.channel: an ingress's step channel to one named replica
+
+
+def pinned(candidates: list[RunningReplica], pending: Optional[PendingRequest]) -> list[list[RunningReplica]] | None:
+    """A step-channel call goes to the replica it names (deployments/channels.py); None for others.
+    When that replica is gone, any replica will do: it answers that it is not the one named."""
+    if pending is None or pending.metadata.call_method != CHANNEL_METHOD:
+        return None
+    want = pending.kwargs.get("replica")
+    chosen = [r for r in candidates if r.replica_id.unique_id == want]
+    return [chosen] if chosen else [candidates[:1]]
+
+
+class LoadRouter(RequestRouter):
+    """Serve's default policy (power of two choices; the base class probes queue lengths and takes
+    the shorter), plus the step-channel pinning that Serve's own router cannot do."""
+
+    def initialize_state(self, seed: int | None = None, **_: Any) -> None:
+        self._rng = random.Random(seed)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        pin = pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
+        return [self._rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, saturation: int = 4, imbalance: int = 2, block_size: int = DEFAULT_BLOCK_SIZE,
                          seed: int | None = None, **_: Any) -> None:
@@ -54,9 +84,12 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
-        candidate_replicas = self._reachable(candidate_replicas)
         if not candidate_replicas:
             return []
+        pin = pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
+        candidate_replicas = self._reachable(candidate_replicas)
         if pending_request is not None and pending_request.metadata.call_method != "generate":
             # Control calls (readiness, stats, the /admin fan-out) go to a random replica: by load
             # they would always reach the idlest one, and /admin would never hear from a busy one.
