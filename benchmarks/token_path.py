@@ -8,7 +8,9 @@ real `sse_events`/`SSEResponse`; N clients read that over loopback HTTP through 
     python -m benchmarks.token_path                              # pacing off and on, 1-128 streams
     python -m benchmarks.token_path --pacing 0,1000 --streams 1,8,32,128 --step-ms 5 --tokens 256
 
-Per row: streams, the replica's budget (`stream_items_per_s`, 0 = one item per step per request),
+Per row: the path (`--channel 0`: each request's own Ray stream carries its tokens; 1: the step channels of
+deployments/channels.py, one Ray item per step from the replica, SSE writes paced in the ingress),
+streams, the budget (`stream_items_per_s`, 0 = one item per step per request),
 items/s and tokens/s received by all clients together, tokens per item, what the synthetic engine
 would allow (streams / step), and each client's gap between items (p50, p90) in ms.
 """
@@ -31,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def build_app(step_s: float, items_per_s: float) -> Any:
+def build_app(step_s: float, items_per_s: float, channel: bool = False) -> Any:
     """The probe's Serve application: ProbeReplica (engine side) behind ProbeIngress (HTTP side)."""
     from ray import serve
     from starlette.applications import Starlette
@@ -46,14 +48,25 @@ def build_app(step_s: float, items_per_s: float) -> Any:
 
     from benchmarks.token_path_engine import SyntheticEngine
 
-    @serve.deployment(name="ProbeReplica", max_ongoing_requests=1000)
+    from ray.serve.config import RequestRouterConfig
+
+    from fleet.options import LOAD_ROUTER_CLASS
+
+    @serve.deployment(name="ProbeReplica", max_ongoing_requests=1000,
+                      request_router_config=RequestRouterConfig(request_router_class=LOAD_ROUTER_CLASS))
     class ProbeReplica:
         def __init__(self) -> None:
             self._host = EngineHost(EngineConfig(), engine_factory=lambda _: SyntheticEngine(step_s),
-                                    pacing=StreamPacing(items_per_s))
+                                    pacing=StreamPacing(items_per_s),
+                                    replica_key=serve.get_replica_context().replica_id.unique_id)
 
-        async def generate(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str):
-            async for item in self._host.stream(prompt_tokens, params, request_id):
+        async def generate(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str,
+                           channel: str | None = None):
+            async for item in self._host.stream(prompt_tokens, params, request_id, channel):
+                yield item
+
+        async def channel(self, key: str, replica: str):
+            async for item in self._host.channel(key, replica):
                 yield item
 
     def render(text: str, lps: list, finish: str | None, offset: int) -> list[dict[str, Any]]:
@@ -63,7 +76,7 @@ def build_app(step_s: float, items_per_s: float) -> Any:
     @serve.ingress()
     class ProbeIngress:
         def __init__(self, replica: Any) -> None:
-            self._backend = HandleBackend(replica)
+            self._backend = HandleBackend(replica, step_channels=channel, pacing=StreamPacing(items_per_s))
             self._metrics = IngressMetrics()
             self._count = 0
 
@@ -138,10 +151,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         url = f"http://127.0.0.1:{args.port}/probe/stream"
-        for budget in (float(b) for b in args.pacing.split(",")):
-            serve.run(build_app(args.step_ms / 1000, budget), name="probe", route_prefix="/probe")
+        modes = [(channel, float(b)) for channel in (int(c) for c in args.channel.split(","))
+                 for b in args.pacing.split(",")]
+        for channel, budget in modes:
+            serve.run(build_app(args.step_ms / 1000, budget, bool(channel)), name="probe", route_prefix="/probe")
             for n in (int(s) for s in args.streams.split(",")):
-                row = {"items_per_s_budget": budget, "step_ms": args.step_ms,
+                row = {"channel": channel, "items_per_s_budget": budget, "step_ms": args.step_ms,
                        "engine_tokens_per_s": round(n / (args.step_ms / 1000), 1),
                        **asyncio.run(sweep_once(url, n, args.tokens))}
                 rows.append(row)
@@ -153,9 +168,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    head = ("| streams | budget items/s | items/s | tokens/s | engine allows tok/s | tokens/item | "
-            "gap p50 ms | gap p90 ms |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    lines = [f"| {r['streams']} | {r['items_per_s_budget']:.0f} | {r['items_per_s']:,.0f} | {r['tokens_per_s']:,.0f} "
+    head = ("| path | streams | budget items/s | items/s | tokens/s | engine allows tok/s | tokens/item | "
+            "gap p50 ms | gap p90 ms |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = [f"| {'step channel' if r.get('channel') else 'per request'} | {r['streams']} | {r['items_per_s_budget']:.0f} | {r['items_per_s']:,.0f} | {r['tokens_per_s']:,.0f} "
              f"| {r['engine_tokens_per_s']:,.0f} | {r['tokens_per_item']:.1f} | {r['gap_ms_p50']:.1f} "
              f"| {r['gap_ms_p90']:.1f} |" for r in rows]
     return "\n".join([head, *lines])
@@ -165,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pacing", default="0,1000", help="replica budgets, items/s (0: one item per step)")
     p.add_argument("--streams", default="1,8,32,128")
+    p.add_argument("--channel", default="0,1", help="0: one Ray stream per request; 1: step channels")
     p.add_argument("--step-ms", type=float, default=5.0, help="the synthetic engine's step")
     p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)

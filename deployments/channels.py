@@ -63,7 +63,7 @@ class StepChannels:
     async def _read(self, replica: str) -> None:
         """Hand out the channel's items until it ends; reopen it if requests still run there."""
         error: BaseException | None = None
-        stream = self._handle.channel.remote(self.key, replica)
+        stream = self._handle.channel.remote(self.key, replica=replica)  # keyword: the routers read it
         try:
             async for item in stream:
                 if "wrong_replica" in item:

@@ -6,6 +6,7 @@ The data crossing to the ingress is api/wire.py's format: rejections, lists of e
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -88,6 +89,7 @@ class EngineHost:
         self.replica_key = replica_key  # what a step channel names to reach this replica
         self._outboxes: dict[str, Outbox] = {}
         self._closed = False  # shut down: channels end once their requests have
+        self.items: collections.Counter[str] = collections.Counter()  # Ray stream items sent, by kind
 
     @property
     def active_streams(self) -> int:
@@ -142,10 +144,12 @@ class EngineHost:
                 return
             wire = [event_to_wire(e) for e in first]
             finished = bool(first) and first[-1].finished
+            self.items["request"] += 1
             if channel is None:
                 yield wire
                 if not finished:
                     async for item in self._paced(batches):
+                        self.items["request"] += 1
                         yield item
             else:
                 yield {"replica": self.replica_key, "events": wire}
@@ -192,10 +196,14 @@ class EngineHost:
             if box.open == 0 and not box.pending and box.generation == 0:
                 self._outboxes.pop(channel, None)  # never subscribed (its ingress is gone)
 
-    async def channel(self, key: str) -> AsyncIterator[dict[str, list[dict[str, Any]]]]:
+    async def channel(self, key: str, replica: str) -> AsyncIterator[dict[str, Any]]:
         """One ingress replica's step channel: `{request_id: events}` per engine step, for every
         request that ingress runs here. Ends after `CHANNEL_IDLE_S` without requests (or at once
-        once the engine is closed), and when a newer subscription of the same key replaces it."""
+        once the engine is closed), and when a newer subscription of the same key replaces it.
+        A channel meant for another replica (the one named died) says so and ends."""
+        if replica != self.replica_key:
+            yield {"wrong_replica": self.replica_key}
+            return
         box = self._outboxes.setdefault(key, Outbox())
         box.generation += 1
         mine = box.generation
@@ -213,6 +221,7 @@ class EngineHost:
                     box.ready.clear()  # a put from here on sets it again; take() gets that one too
                     await asyncio.sleep(CHANNEL_GATHER_S)
                 if box.generation == mine and box.pending:
+                    self.items["channel"] += 1
                     yield box.take()
         finally:
             if box.generation == mine and box.open == 0 and not box.pending:
@@ -237,6 +246,7 @@ class EngineHost:
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         stats["openblas"] = openblas_loaded()
+        stats["stream_items"] = {"request": self.items["request"], "channel": self.items["channel"]}
         return stats
 
     async def check_health(self) -> None:

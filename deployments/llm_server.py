@@ -63,10 +63,7 @@ class LLMServer:
     async def channel(self, key: str, replica: str) -> AsyncIterator[Any]:
         """An ingress replica's step channel: one item per engine step for all its requests here.
         The request routers pin this call to `replica` (fleet/router.py); anywhere else it says so."""
-        if replica != self._host.replica_key:
-            yield {"wrong_replica": self._host.replica_key}
-            return
-        async for item in self._host.channel(key):
+        async for item in self._host.channel(key, replica):
             yield item
 
     def info(self) -> dict[str, Any]:

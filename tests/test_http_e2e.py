@@ -54,10 +54,14 @@ def test_chat_non_streaming_length_and_usage(client):
     assert out.usage.prompt_tokens_details.cached_tokens >= 0
 
 
-def test_chat_streaming_matches_non_streaming(client):
+def test_chat_streaming_matches_non_streaming(base, client):
     whole = chat(client, max_tokens=12, extra_body={"ignore_eos": True})
+    channel_items = metric(base, 'pomona_engine_stream_items{kind="channel"}')
     chunks = list(chat(client, max_tokens=12, stream=True, stream_options={"include_usage": True},
                        extra_body={"ignore_eos": True}))
+    # After its first batch, the stream came through the step channel (deployments/channels.py),
+    # pinned to the replica by the request router over real Serve.
+    assert metric(base, 'pomona_engine_stream_items{kind="channel"}') > channel_items
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
