@@ -11,6 +11,8 @@
 #          bare BatchGenerator loop, Pomona's engine in process, Pomona over HTTP (`ray start` with the
 #          apple_silicon resource + `serve run`), mlx_lm.server over HTTP; the full suite's random
 #          workload at 1, 8, 32, 128 concurrent, 128 decoding together everywhere, one untimed pass first.
+# Environment: NO_SSD=1 runs without the SSD tier (serve_config.yaml's ssd_dir: null) everywhere; SERVERS,
+# LEVELS (concurrencies) and SIDE_FLAGS (e.g. --no-bare) narrow the side by side.
 # Results: $OUT/token_path.json, $OUT/side-<model>.json, $OUT/logs-<model>.tgz (few files: $OUT takes 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,9 @@ mkdir -p .venv/bin && ln -sf /tmp/site/bin/ray .venv/bin/ray && ln -sf /tmp/site
 cat REVISION 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import ray, mlx.core as mx, mlx_lm, starlette; print('ray', ray.__version__, 'mlx', mx.__version__, mx.default_device(), 'mlx_lm', mlx_lm.__version__, 'starlette', starlette.__version__)"
+if [ -n "${NO_SSD:-}" ]; then  # serve_config.yaml without the SSD tier, for the HTTP server and engine_loop alike
+  sed -i 's|^\( *ssd_dir:\).*|\1 null|' serve_config.yaml && grep -n "ssd_dir" serve_config.yaml
+fi
 for what in ${1//,/ }; do
   t0=$(date +%s)
   case $what in
@@ -44,8 +49,9 @@ for what in ${1//,/ }; do
     1b|smollm2)
       python3 -m benchmarks.device_serve_model "$what" "/tmp/models/$what" >/dev/null &&
       timeout "${SIDE_TIMEOUT:-500}" python3 -m benchmarks.side_by_side --model "/tmp/models/$what" \
-        --servers "${SERVERS:-pomona,mlx_lm.server}" --parts sweep --concurrency 1,8,32,128 --engine \
-        --max-batch 128 --warm 1,8,32,128 --docs "" --out "/tmp/side-$what" 2>"/tmp/side-$what.stderr"
+        --servers "${SERVERS:-pomona,mlx_lm.server}" --parts sweep --concurrency "${LEVELS:-1,8,32,128}" --engine \
+        --max-batch 128 --warm "${LEVELS:-1,8,32,128}" --docs "" --out "/tmp/side-$what" ${SIDE_FLAGS:-} \
+        2>"/tmp/side-$what.stderr"
       mv "/tmp/side-$what.stderr" "/tmp/side-$what/logs/" 2>/dev/null
       cp "/tmp/side-$what/results.json" "$OUTDIR/side-$what.json"
       tar -czf "$OUTDIR/logs-$what.tgz" -C "/tmp/side-$what" logs
