@@ -30,21 +30,34 @@ class ChannelLost(Exception):
     """The step channel to a replica ended with requests of this ingress still running there."""
 
 
+class Inbox:
+    """Where one request's event lists (or a failure) arrive. `urgent` is set by its last event or
+    a failure: the consumer's pacing wait ends then, so a stream's end never waits for company."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.urgent = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        self.queue.put_nowait(item)
+        if isinstance(item, BaseException) or (item and item[-1].get("finish")):
+            self.urgent.set()
+
+
 class StepChannels:
     """This ingress replica's channels, one per LLM server replica it has requests on."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle.options(stream=True)
         self.key = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._inboxes: dict[str, Inbox] = {}
         self._bound: dict[str, str] = {}  # request id -> replica
         self._subscriptions: dict[str, asyncio.Task] = {}  # replica -> the task reading its channel
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        """The queue where `request_id`'s event lists (or a ChannelLost) will arrive."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+    def open(self, request_id: str) -> Inbox:
+        """Where `request_id`'s event lists (or a ChannelLost) will arrive."""
+        inbox = self._inboxes[request_id] = Inbox()
+        return inbox
 
     def bind(self, request_id: str, replica: str) -> None:
         """`request_id` runs on `replica`: read that replica's channel (open it if need be)."""
@@ -54,7 +67,7 @@ class StepChannels:
             self._subscriptions[replica] = asyncio.ensure_future(self._read(replica))
 
     def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._inboxes.pop(request_id, None)
         self._bound.pop(request_id, None)
 
     def running_on(self, replica: str) -> list[str]:
@@ -69,9 +82,9 @@ class StepChannels:
                 if "wrong_replica" in item:
                     raise ChannelLost(f"replica {replica} is gone (the channel reached {item['wrong_replica']})")
                 for request_id, events in item.items():
-                    queue = self._queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(events)
+                    inbox = self._inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(events)
         except asyncio.CancelledError:
             stream.cancel()
             raise
@@ -91,7 +104,7 @@ class StepChannels:
         log.warning("step channel to replica %s failed (%s); %d request(s) end with an error",
                     replica, error, len(still))
         for request_id in still:
-            self._queues[request_id].put_nowait(ChannelLost(str(error)))
+            self._inboxes[request_id].put(ChannelLost(str(error)))
 
     async def close_all(self) -> None:
         for task in list(self._subscriptions.values()):

@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from modelio.models import tokenizer_for
 from api.errors import ApiError, overloaded, server_error, unavailable
-from deployments.channels import ChannelLost, StepChannels
+from deployments.channels import ChannelLost, Inbox, StepChannels
 from deployments.engine_host import StreamPacing
 from deployments.failover import retry_before_first
 from api.server import OpenAIServer
@@ -88,7 +88,7 @@ class HandleBackend:
     async def _stream_channel(self, prompt_tokens: list[int], params: dict[str, Any], request_id: str,
                               channels: StepChannels) -> AsyncIterator[Any]:
         """The first batch from the request's own stream, the rest from its replica's step channel."""
-        queue = channels.open(request_id)
+        inbox = channels.open(request_id)
         responses = self._streaming.generate.remote(prompt_tokens, params, request_id, channels.key)
         finished, watcher = False, None
         self._active += 1
@@ -103,13 +103,16 @@ class HandleBackend:
             if finished:
                 return
             channels.bind(request_id, first["replica"])
-            watcher = asyncio.ensure_future(_failures_into(responses, queue))
+            watcher = asyncio.ensure_future(_failures_into(responses, inbox))
             sent = time.monotonic()
             while not finished:
                 wait = sent + self._pacing.interval(self._active) - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                batch = await _gather(queue)
+                if wait > 0 and not inbox.urgent.is_set():
+                    try:  # paced, but the last event (or a failure) goes at once
+                        await asyncio.wait_for(inbox.urgent.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+                batch = await _gather(inbox.queue)
                 sent = time.monotonic()
                 finished = _finished(batch)
                 yield batch
@@ -166,7 +169,7 @@ async def _gather(queue: asyncio.Queue) -> list[dict[str, Any]]:
         item = queue.get_nowait()
 
 
-async def _failures_into(responses: Any, queue: asyncio.Queue) -> None:
+async def _failures_into(responses: Any, inbox: Inbox) -> None:
     """The request's own stream yields nothing after its first item: it only ends, or fails
     (the replica died, Ray failed); a failure goes to the queue its events arrive on."""
     try:
@@ -175,7 +178,7 @@ async def _failures_into(responses: Any, queue: asyncio.Queue) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        queue.put_nowait(exc)
+        inbox.put(exc)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=2000)

@@ -106,6 +106,10 @@ async def _tokens(backend: HandleBackend, prompt: list[int], rid: str) -> list[i
             if e["token"] is not None]
 
 
+async def _all(stream: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in stream]
+
+
 async def _drain(stream: AsyncIterator[Any]) -> None:
     async for _ in stream:
         pass
@@ -136,6 +140,20 @@ def test_every_request_gets_its_tokens_and_each_step_travels_once(engine: Any) -
     assert host.items["request"] == len(prompts)
     assert host.items["channel"] <= TOKENS + 4, host.items
     assert not host._outboxes  # noqa: SLF001 - our own class: nothing left behind
+
+
+def test_a_paced_stream_ends_as_soon_as_its_last_event_arrives(engine: Any) -> None:
+    """Pacing lets tokens wait for company, never a stream's end: a closed-loop client (an agent)
+    sends its next request as soon as the last one ends."""
+    async def run() -> list[list[dict[str, Any]]]:
+        slow = StreamPacing(items_per_s=1 / 60, max_interval_s=60.0)  # one SSE write a minute
+        backend = HandleBackend(FakeReplica(_host(engine)), step_channels=True, pacing=slow)
+        stream = backend.stream([2, 4, 6], _params(max_tokens=6), "quick")
+        return await asyncio.wait_for(_all(stream), 20)  # without the early end: 60 s, a TimeoutError
+
+    items = asyncio.run(run())
+    assert len(items) == 2 and items[-1][-1]["finish"] == "length"
+    assert sum(e["token"] is not None for i in items for e in i) == 6
 
 
 def test_a_client_leaving_aborts_its_request_and_leaves_nothing_behind(engine: Any) -> None:
