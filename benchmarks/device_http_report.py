@@ -51,7 +51,21 @@ def rows(data: dict[str, Any]) -> list[str]:
         out.append("| " + " | ".join(cells) + " |")
     failed = [f"{k}: {str(v.get('failed') or v.get('skipped'))[-400:]}" for k, v in data["servers"].items()
               if "failed" in v or "skipped" in v]
-    return out + failed
+    return out + failed + [""] + step_rows(engine, servers.get("pomona") or {}, levels)
+
+
+def step_rows(engine: dict[str, Any], pomona: dict[str, Any], levels: Sequence[int]) -> list[str]:
+    """The engine's own step accounting (benchmarks/step_report.py), in process and behind Serve."""
+    fields = ("steps_per_s", "ms_per_step", "step_cpu_ms", "tokens_per_step", "prompt_tokens_per_step",
+              "deliver_ms_per_step", "busy_share")
+    head = ["c", "where"] + [f.replace("_", " ") for f in fields]
+    out = ["| " + " | ".join(head) + " |", "| ---: | --- |" + " ---: |" * len(fields)]
+    for c in levels:
+        for where, block in (("in process", engine.get(str(c))), ("over HTTP", pomona.get(str(c)))):
+            steps = (block or {}).get("engine_steps")
+            if steps:
+                out.append("| " + " | ".join([str(c), where] + [f"{steps[f]:,.3g}" for f in fields]) + " |")
+    return out if len(out) > 2 else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

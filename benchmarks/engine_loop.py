@@ -64,7 +64,10 @@ async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) ->
 
 async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
                       concurrency: int, tag: str) -> dict[str, Any]:
+    from benchmarks.step_report import counters, report
+
     sem = asyncio.Semaphore(concurrency)
+    before = counters(engine.stats())
 
     async def run(i: int, p: Sequence[int]) -> tuple[int, float, list[float]]:
         async with sem:
@@ -75,7 +78,9 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
     duration = time.perf_counter() - t0
     tokens = sum(r[0] for r in results)
     gaps = [g for r in results for g in r[2]]
-    return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens, "duration_s": duration,
+    steps = report(before, counters(engine.stats()), duration)
+    return {"engine_steps": steps, "concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
+            "duration_s": duration,
             "output_throughput": tokens / duration, "ttft_ms_p50": percentile([r[1] for r in results], 50) * 1000,
             "itl_ms_p50": percentile(gaps, 50) * 1000 if gaps else None}
 

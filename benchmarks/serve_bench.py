@@ -25,7 +25,10 @@ from benchmarks.workloads import Suite, TextMaker, WorkloadSpec, build, full_sui
 def run_workload(cfg: EndpointConfig, convs: Sequence[Conversation], desc: str,
                  concurrency: int | None = None, rate: float | None = None, seed: int = 0) -> dict[str, Any]:
     """Closed loop at `concurrency`, or Poisson arrivals at `rate` req/s; aggregated metrics."""
+    from benchmarks.step_report import report, scrape
+
     total = sum(len(c.turns) for c in convs)
+    before = scrape(cfg.base_url)  # Pomona's engine counters (None for other servers)
     with tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr) as bar:
         if rate is not None:
             coro = run_poisson(cfg, convs, rate, seed=seed, max_concurrency=concurrency, on_done=bar.update)
@@ -34,6 +37,9 @@ def run_workload(cfg: EndpointConfig, convs: Sequence[Conversation], desc: str,
         results, duration = asyncio.run(coro)
     agg = aggregate(results, duration)
     agg.update(concurrency=concurrency, request_rate=rate, num_conversations=len(convs))
+    steps = report(before, scrape(cfg.base_url) if before else None, duration)
+    if steps:
+        agg["engine_steps"] = steps
     return agg
 
 

@@ -21,6 +21,7 @@ from cache_tiers.store import PrefixStore
 from engine.config import EngineConfig
 from engine.constraints import build_constraint
 from engine.engine import Engine
+from engine.stats import ThreadTimes
 from engine.text import ConsumerText, text_in_engine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, InvalidRequestError, Request,
                           SamplingParams, TokenEvent)
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._ready = concurrent.futures.Future()
         self._stats: dict[str, Any] = {"ready": False}
+        self._times = ThreadTimes()  # the MLX thread's own accounting (it alone writes it)
         self._closing = False
         self._stopped = False  # the MLX thread has gone: commands would never be answered
         self.tokenizer: Any = None
@@ -246,17 +248,23 @@ class AsyncEngine:
             return
         self._ready.set_result(None)
         last_stats = 0.0
+        times = self._times
         while True:
             handled = self._handle_commands(engine, block=not engine.has_work())
             if handled is None:
                 break
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             events = engine.step() if engine.has_work() else []
+            t1 = time.perf_counter()
+            times.step += t1 - t0
+            times.step_cpu += time.thread_time() - cpu0
             # Publish before delivering final events, so a caller who saw its request end also
             # sees the counters that include it.
             if handled or time.monotonic() - last_stats > STATS_EVERY_S or any(e.finished for e in events):
                 self._publish_stats(engine)
                 last_stats = time.monotonic()
             self._deliver(events)
+            times.deliver += time.perf_counter() - t1
         for request_id in list(engine.seqs):
             self._deliver(engine.abort_request(request_id, FinishReason.ABORT, CLOSED, code="shutdown"))
         self._refuse_queued()
@@ -308,7 +316,9 @@ class AsyncEngine:
             kind, arg = command
             if kind == "stop":
                 return None
+            started = time.perf_counter()
             self._handle(engine, kind, arg)
+            self._times.commands += time.perf_counter() - started
             handled += 1
             try:
                 command = self._commands.get_nowait()
@@ -358,7 +368,8 @@ class AsyncEngine:
                 pass
 
     def _publish_stats(self, engine: Engine) -> None:
-        self._stats = {**engine.status(), "ready": True, "model": self.model_name}
+        self._stats = {**engine.status(), "ready": True, "model": self.model_name,
+                       "mlx_thread_seconds": self._times.as_dict()}
 
 
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:

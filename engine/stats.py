@@ -71,3 +71,19 @@ class EngineStats:
             "tokens_per_s": round(self.tokens_per_s(), 3),
             "process_rss_bytes": psutil.Process().memory_info().rss,
         }
+
+
+@dataclass
+class ThreadTimes:
+    """Where the MLX thread's time goes, summed (seconds): taking commands, engine steps (wall, and
+    the thread's own CPU inside them), handing events to the event loops. Read before and after a
+    load (benchmarks/step_report.py) it says how long a step takes in this process, whether the
+    thread was busy or waiting (for the GIL, or for the GPU where its driver waits without spinning)."""
+
+    commands: float = 0.0
+    step: float = 0.0
+    step_cpu: float = 0.0
+    deliver: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) for k, v in vars(self).items()}

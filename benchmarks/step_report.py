@@ -1,0 +1,71 @@
+"""The engine's step accounting around a load: steps/s, ms per step, tokens per step, MLX thread time.
+
+Pomona's engine counts its steps, tokens and where its MLX thread's time goes (engine/stats.py
+`ThreadTimes`). Read before and after one level of a benchmark (in process from `AsyncEngine.stats()`,
+over HTTP from /metrics), the difference says whether the same engine steps slower behind Ray Serve
+than in a plain process, and whether its thread was working or waiting (for the GIL, or for a GPU
+whose driver waits without spinning) when it did:
+
+- `ms_per_step`: wall time of `Engine.step` per step; `step_cpu_ms`: the MLX thread's CPU in it;
+- `tokens_per_step` / `prompt_tokens_per_step`: output and prompt tokens per step;
+- `deliver_ms_per_step`, `commands_ms_per_step`: handing events to the event loops, taking requests;
+- `busy_share`: the thread's accounted time over the level's wall time.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import httpx
+
+KINDS = ("commands", "step", "step_cpu", "deliver")
+_METRIC = re.compile(r'^pomona_engine_(\w+?)(?:\{kind="(\w+)"\})? ([0-9.eE+-]+)$')
+
+
+def counters(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The counters this report reads, from an engine stats dict (`AsyncEngine.stats()`)."""
+    times = stats.get("mlx_thread_seconds") or {}
+    out = {"steps": float(stats.get("steps", 0)), "tokens": float(stats.get("generation_tokens_total", 0)),
+           "prompt_tokens": float(stats.get("prompt_tokens_total", 0))}
+    out.update({k: float(times.get(k, 0.0)) for k in KINDS})
+    return out
+
+
+def from_metrics(text: str) -> dict[str, float] | None:
+    """The same counters from a /metrics exposition; None when it has none (not Pomona)."""
+    stats: dict[str, Any] = {"mlx_thread_seconds": {}}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        name, kind, value = m.group(1), m.group(2), float(m.group(3))
+        if name == "mlx_thread_seconds" and kind:
+            stats["mlx_thread_seconds"][kind] = value
+        elif kind is None:
+            stats[name] = value
+    return counters(stats) if "steps" in stats else None
+
+
+def scrape(base_url: str) -> dict[str, float] | None:
+    """GET /metrics of the server at `base_url` (…/v1 or its root); None if it has no engine counters."""
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        resp = httpx.get(f"{root}/metrics", timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return from_metrics(resp.text) if resp.status_code == 200 else None
+
+
+def report(before: Mapping[str, float] | None, after: Mapping[str, float] | None, wall_s: float) -> dict[str, float] | None:
+    if not before or not after:
+        return None
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(d["steps"], 1.0)
+    return {"steps": d["steps"], "steps_per_s": round(d["steps"] / wall_s, 2),
+            "ms_per_step": round(1000 * d["step"] / steps, 3), "step_cpu_ms": round(1000 * d["step_cpu"] / steps, 3),
+            "tokens_per_step": round(d["tokens"] / steps, 2),
+            "prompt_tokens_per_step": round(d["prompt_tokens"] / steps, 2),
+            "deliver_ms_per_step": round(1000 * d["deliver"] / steps, 3),
+            "commands_ms_per_step": round(1000 * d["commands"] / steps, 3),
+            "busy_share": round((d["step"] + d["deliver"] + d["commands"]) / wall_s, 3)}
