@@ -105,8 +105,3 @@ class StepChannels:
                     replica, error, len(still))
         for request_id in still:
             self._inboxes[request_id].put(ChannelLost(str(error)))
-
-    async def close_all(self) -> None:
-        for task in list(self._subscriptions.values()):
-            task.cancel()
-        self._subscriptions.clear()
