@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import tempfile
 import time
 from typing import Any, Sequence
@@ -63,14 +64,21 @@ async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) ->
 
 
 async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int,
-                      concurrency: int, tag: str) -> dict[str, Any]:
+                      concurrency: int, tag: str, jitter_s: float = 0.0) -> dict[str, Any]:
+    """`jitter_s`: each request waits uniform(0, jitter_s) before it is sent, as requests sent over
+    HTTP reach the engine spread out by the path (separates the engine's own rate from what spread
+    arrivals cost it: more, smaller prefills)."""
     from benchmarks.step_report import counters, report
 
     sem = asyncio.Semaphore(concurrency)
     before = counters(engine.stats())
 
+    rng = random.Random(7)
+
     async def run(i: int, p: Sequence[int]) -> tuple[int, float, list[float]]:
         async with sem:
+            if jitter_s:
+                await asyncio.sleep(rng.uniform(0, jitter_s))
             return await _one(engine, p, max_tokens, f"{tag}-{i}")
 
     t0 = time.perf_counter()
@@ -86,7 +94,7 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
 
 
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
-          ssd: bool = True) -> dict[str, Any]:
+          ssd: bool = True, jitter_s: float = 0.0) -> dict[str, Any]:
     from benchmarks.bare_loop import chat_prompts
     from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite, quick_suite
     from engine.loop import AsyncEngine
@@ -107,7 +115,7 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
                 await engine.clear_cache("all")
                 convs = build(suite.sweep_spec(c), maker)
                 prompts = chat_prompts(engine.tokenizer, [first_turn_messages(conv) for conv in convs])
-                out[str(c)] = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}")
+                out[str(c)] = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}", jitter_s)
             await engine.shutdown(drain_s=0)
 
         asyncio.run(main())
@@ -124,9 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,8,16,32")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--no-ssd", action="store_true", help="no SSD tier (serve_config.yaml has one)")
+    p.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                   help="each request waits uniform(0, this) before it is sent (spread arrivals)")
     args = p.parse_args(argv)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
-                   ssd=not args.no_ssd)
+                   ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000)
     print(json.dumps(result), flush=True)
     # MLX's CUDA backend can abort at interpreter exit once a second thread used it
     # (benchmarks/results/accelerators-engine-runs.md).
