@@ -219,7 +219,8 @@ class EngineHost:
                             return
                         continue
                     box.ready.clear()  # a put from here on sets it again; take() gets that one too
-                    await asyncio.sleep(CHANNEL_GATHER_S)
+                    if box.open > 1:  # others of this step may follow: one item for all of them
+                        await asyncio.sleep(CHANNEL_GATHER_S)
                 if box.generation == mine and box.pending:
                     self.items["channel"] += 1
                     yield box.take()

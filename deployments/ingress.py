@@ -99,10 +99,11 @@ class HandleBackend:
                 yield first
                 return
             finished = _finished(first["events"])
+            if not finished:  # read the channel while the first events go out
+                channels.bind(request_id, first["replica"])
             yield first["events"]
             if finished:
                 return
-            channels.bind(request_id, first["replica"])
             watcher = asyncio.ensure_future(_failures_into(responses, inbox))
             sent = time.monotonic()
             while not finished:
