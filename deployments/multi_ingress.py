@@ -11,6 +11,7 @@ from starlette.types import ASGIApp
 
 from modelio.models import tokenizer_for
 from api.server import OpenAIServer
+from deployments.engine_host import StreamPacing
 from deployments.ingress import HandleBackend
 from api.model_front import ModelFront
 from api.settings import AppSettings
@@ -27,7 +28,11 @@ class MultiIngress:
         # A multiplexed model's requests carry its name: Serve routes them to a replica holding it.
         handles = [h.options(multiplexed_model_id=s.served_name()) if s.served_name() in multiplexed else h
                    for s, h in zip(settings, llms)]
-        servers = [OpenAIServer(s, HandleBackend(handle), functools.partial(tokenizer_for, s.model), api_keys=keys)
+        # Step channels where the deployment has one of our routers (each model's own LLM server);
+        # the multiplexed deployment routes by model with Serve's router, which cannot pin them.
+        servers = [OpenAIServer(s, HandleBackend(handle, step_channels=s.step_channel and s.served_name() not in multiplexed,
+                                                 pacing=StreamPacing(s.stream_items_per_s)),
+                                functools.partial(tokenizer_for, s.model), api_keys=keys)
                    for s, handle in zip(settings, handles)]
         self._front = ModelFront(servers)
         log.info("ingress for %s: %d API key(s) configured", [s.served_name() for s in settings], len(keys))

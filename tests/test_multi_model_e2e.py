@@ -58,6 +58,12 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int = 8) -> httpx.
                       json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
 
+def _channel_items(base: str, model: str) -> float:
+    text = httpx.get(f"{base}/metrics", params={"model": model}, timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith('pomona_engine_stream_items{kind="channel"}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_each_model_answers_its_own_requests(base: str, model_dirs: dict[str, Path]) -> None:
     listed = httpx.get(f"{base}/v1/models", timeout=10).json()
     assert sorted(m["id"] for m in listed["data"]) == sorted(NAMES)
@@ -72,6 +78,8 @@ def test_each_model_answers_its_own_requests(base: str, model_dirs: dict[str, Pa
     assert answers["tiny-a"] != answers["tiny-b"]  # two different models, really both served
     for name in NAMES:
         assert answers[name] == _greedy(model_dirs[name], "hello there", 12)  # and each by the right one
+    for name in NAMES:  # each model's tokens after the first batch came on its step channel
+        assert _channel_items(base, name) > 0, name
     chat = httpx.post(f"{base}/v1/chat/completions", timeout=120,
                       json={"model": "tiny-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat.status_code == 200 and chat.json()["model"] == "tiny-b", chat.text
