@@ -42,8 +42,11 @@ CHANNEL_METHOD = "channel"  # LLMServer.channel: an ingress's step channel to on
 
 
 def pinned(candidates: list[RunningReplica], pending: Optional[PendingRequest]) -> list[list[RunningReplica]] | None:
-    """A step-channel call goes to the replica it names (deployments/channels.py); None for others.
-    When that replica is gone, any replica will do: it answers that it is not the one named."""
+    """The answer every router gives first: none without candidates, and a step-channel call to the
+    replica it names (deployments/channels.py); None when the router's own policy decides. When the
+    named replica is gone, any replica will do: it answers that it is not the one named."""
+    if not candidates:
+        return []
     if pending is None or pending.metadata.call_method != CHANNEL_METHOD:
         return None
     want = pending.kwargs.get("replica")
@@ -60,11 +63,8 @@ class LoadRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        pin = pinned(candidate_replicas, pending_request)
-        if pin is not None:
-            return pin
+        if (answer := pinned(candidate_replicas, pending_request)) is not None:
+            return answer
         return [self._rng.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
 
@@ -84,11 +84,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        pin = pinned(candidate_replicas, pending_request)
-        if pin is not None:
-            return pin
+        if (answer := pinned(candidate_replicas, pending_request)) is not None:
+            return answer
         candidate_replicas = self._reachable(candidate_replicas)
         if pending_request is not None and pending_request.metadata.call_method != "generate":
             # Control calls (readiness, stats, the /admin fan-out) go to a random replica: by load

@@ -213,31 +213,19 @@ def test_a_channel_that_ends_with_requests_running_is_read_again(engine: Any) ->
     assert len(replica.calls) == 3  # the request's own stream and two subscriptions
 
 
-def test_a_replica_dying_after_the_first_event_ends_the_stream_with_a_503(engine: Any) -> None:
+@pytest.mark.parametrize("what_fails", ["replica", "channel"])
+def test_a_failure_after_the_first_event_ends_the_stream_with_a_503(engine: Any, what_fails: str) -> None:
+    """The replica dies (every call of it fails), or only the step channel its request is bound to."""
     async def run() -> ApiError:
         replica = FakeReplica(_host(engine))
         backend = HandleBackend(replica, step_channels=True, pacing=UNPACED)
-        stream = backend.stream([3, 3, 3], _params(max_tokens=1500), "dies")
+        stream = backend.stream([3, 3, 3], _params(max_tokens=1500), f"fails-{what_fails}")
         await stream.__anext__()
         await stream.__anext__()
-        replica.kill()
-        with pytest.raises(ApiError) as err:
-            await asyncio.wait_for(_drain(stream), 10)  # a lost failure would hang here
-        await _idle(engine)
-        return err.value
-
-    assert asyncio.run(run()).status == 503
-
-
-def test_a_lost_channel_reaches_the_requests_bound_to_it(engine: Any) -> None:
-    async def run() -> ApiError:
-        replica = FakeReplica(_host(engine))
-        backend = HandleBackend(replica, step_channels=True, pacing=UNPACED)
-        stream = backend.stream([4, 4, 4], _params(max_tokens=1500), "orphan")
-        await stream.__anext__()
-        await stream.__anext__()
-        channel = next(c for c in replica.calls[1:])  # calls[0] is the request's own stream
-        channel.die()
+        if what_fails == "replica":
+            replica.kill()
+        else:
+            replica.calls[1].die()  # calls[0] is the request's own stream, calls[1] its channel
         with pytest.raises(ApiError) as err:
             await asyncio.wait_for(_drain(stream), 10)  # a lost failure would hang here
         await stream.aclose()
@@ -308,3 +296,4 @@ def test_routers_pin_channel_calls_to_the_replica_they_name() -> None:
     assert pinned([a, c], _pending("channel", replica="b")) == [[a]]  # gone: one that will say so
     assert pinned([a, b, c], _pending("generate")) is None
     assert pinned([a, b, c], None) is None
+    assert pinned([], _pending("channel", replica="b")) == [] and pinned([], None) == []
