@@ -17,6 +17,7 @@ which this class reads and hands out to per-request queues.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import socket
@@ -64,7 +65,14 @@ class StepChannels:
         self._bound[request_id] = replica
         task = self._subscriptions.get(replica)
         if task is None or task.done():
-            self._subscriptions[replica] = asyncio.ensure_future(self._read(replica))
+            self._subscribe(replica)
+
+    def _subscribe(self, replica: str) -> None:
+        # In a fresh context, not the context of the request that happens to open the channel: Serve
+        # cancels the handle calls made within a request when that request is cancelled (its client
+        # left), and the channel carries every other request's events too.
+        self._subscriptions[replica] = asyncio.get_running_loop().create_task(
+            self._read(replica), context=contextvars.Context())
 
     def close(self, request_id: str) -> None:
         self._inboxes.pop(request_id, None)
@@ -87,6 +95,7 @@ class StepChannels:
                         inbox.put(events)
         except asyncio.CancelledError:
             stream.cancel()
+            self._ended(replica, ChannelLost("the step channel's reader was cancelled"))
             raise
         except Exception as exc:  # the replica died, or Ray failed: its requests learn it here too
             error = exc
@@ -99,7 +108,7 @@ class StepChannels:
         if not still:
             return
         if error is None:  # it ended idle just as a request arrived: read it again
-            self._subscriptions[replica] = asyncio.ensure_future(self._read(replica))
+            self._subscribe(replica)
             return
         log.warning("step channel to replica %s failed (%s); %d request(s) end with an error",
                     replica, error, len(still))

@@ -9,6 +9,7 @@ and raises Ray's actor error once the "replica" is killed. The routers' pinning 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
@@ -251,6 +252,31 @@ def test_an_idle_channel_ends_and_the_next_request_opens_another(engine: Any, mo
         return [len(first), len(second)]
 
     assert asyncio.run(run()) == [TOKENS, TOKENS]
+
+
+REQUEST_CONTEXT: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="")
+
+
+def test_the_channel_is_not_a_child_of_the_request_that_opened_it(engine: Any) -> None:
+    """Serve cancels the handle calls made in a request's context when that request is cancelled;
+    the channel carries other requests' events, so it is opened outside any request's context."""
+    host = _host(engine)
+    replica = FakeReplica(host)
+    seen: list[str] = []
+
+    def channel(*a: Any, **kw: Any) -> FakeResponse:
+        seen.append(REQUEST_CONTEXT.get())
+        return FakeResponse(host.channel(*a, **kw), replica)
+
+    replica.channel = SimpleNamespace(remote=channel)
+
+    async def run() -> int:
+        REQUEST_CONTEXT.set("request-that-opened-it")  # what Serve's request context is to its calls
+        backend = HandleBackend(replica, step_channels=True, pacing=UNPACED)
+        return len(await _tokens(backend, [1, 1, 2], "opener"))
+
+    assert asyncio.run(run()) == TOKENS
+    assert seen == [""]
 
 
 def test_a_channel_for_another_replica_says_so() -> None:
