@@ -7,7 +7,7 @@ untimed pass, then the suite's random workload at `--concurrency` while `py-spy 
 Serve process (raw collapsed stacks, all threads, GIL holder marked) for `--seconds`. Prints per
 process: CPU seconds over the load, and per thread the share of samples and the top frames by
 self samples; the raw stacks go to $PYSPY_DIR/<variant>/pyspy-<process>.txt (default /tmp/pyspy). Variants: `ingress4` (4 ingress
-replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier.
+replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier; `nocache`: no prefix cache.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ VARIANTS = {
     "nossd": ({}, {}, NO_SSD),
     "unpaced-nossd": ({"stream_items_per_s": 0}, {}, NO_SSD),
     "throughput-nossd": ({}, THROUGHPUT_ENV, NO_SSD),
+    # No prefix cache at all: what its offers and restores cost the engine behind Serve.
+    "nocache": ({}, {}, {"enabled": False}),
 }
 
 

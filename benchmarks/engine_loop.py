@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from benchmarks.client import percentile
 
 
-def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None) -> Any:
+def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, prefix_cache: bool = True) -> Any:
     import yaml
 
     from benchmarks.pomona_server import SERVE_CONFIG
@@ -36,6 +36,8 @@ def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None) 
     cache = dict(engine.get("cache") or {})
     if cache.get("ssd_dir"):
         cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/pomona_server.py); None: no SSD tier
+    if not prefix_cache:
+        cache["enabled"] = False
     engine["cache"] = cache
     return EngineConfig.from_dict(engine)
 
@@ -94,7 +96,7 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
 
 
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
-          ssd: bool = True, jitter_s: float = 0.0) -> dict[str, Any]:
+          ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True) -> dict[str, Any]:
     from benchmarks.bare_loop import chat_prompts
     from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite, quick_suite
     from engine.loop import AsyncEngine
@@ -103,7 +105,7 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
     maker = TextMaker(model_dir)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as ssd_dir:
-        engine = AsyncEngine(engine_config(model_dir, max_running, ssd_dir if ssd else None))
+        engine = AsyncEngine(engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache))
 
         async def main() -> None:
             await engine.wait_ready()
@@ -132,11 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,8,16,32")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--no-ssd", action="store_true", help="no SSD tier (serve_config.yaml has one)")
+    p.add_argument("--no-cache", action="store_true", help="no prefix cache at all (what offers and restores cost)")
     p.add_argument("--arrival-jitter-ms", type=float, default=0.0,
                    help="each request waits uniform(0, this) before it is sent (spread arrivals)")
     args = p.parse_args(argv)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
-                   ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000)
+                   ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache)
     print(json.dumps(result), flush=True)
     # MLX's CUDA backend can abort at interpreter exit once a second thread used it
     # (benchmarks/results/accelerators-engine-runs.md).
