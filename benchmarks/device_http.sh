@@ -5,7 +5,7 @@
 #
 # probe:   benchmarks/token_path.py (no model): Serve's token path, pacing off / 1000 / 2000 items/s.
 # engine:  benchmarks/engine_loop.py on the 1B model at 32 and 128 concurrent, with and without the SSD tier
-#          (ENGINE_FLAGS: the variants, e.g. "--no-ssd --no-cache").
+#          (ENGINE_FLAGS: comma-separated variants, default ",--no-ssd"; e.g. "--no-ssd,--no-ssd --burn 4").
 # profile: benchmarks/device_http_profile.py: py-spy on the Serve processes at 128 concurrent, 1B model
 #          (variants default, ingress4, throughput: tok/s and CPU of each).
 # 1b, smollm2: a random bf16 model of that shape (device_serve_model.py), then benchmarks/side_by_side.py:
@@ -36,7 +36,8 @@ for what in ${1//,/ }; do
       tail -c 1500 /tmp/token_path.stderr ;;
     engine)
       [ -d /tmp/models/1b ] || python3 -m benchmarks.device_serve_model 1b /tmp/models/1b >/dev/null
-      for flag in ${ENGINE_FLAGS:-"" --no-ssd}; do   # 128 twice: the first pass compiles the shapes
+      IFS=',' read -ra variants <<< "${ENGINE_FLAGS-,--no-ssd}"
+      for flag in "${variants[@]}"; do   # 128 twice: the first pass compiles the shapes
         timeout 300 python3 -m benchmarks.engine_loop /tmp/models/1b --concurrency 32,128,128 --max-running 128 \
           $flag 2>/tmp/engine_loop.stderr | tail -1 | sed "s/^/engine_loop $flag: /" || tail -c 1500 /tmp/engine_loop.stderr
       done ;;

@@ -95,6 +95,23 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
             "itl_ms_p50": percentile(gaps, 50) * 1000 if gaps else None}
 
 
+def _burn() -> None:
+    while True:
+        pass
+
+
+def start_burners(n: int) -> list[Any]:
+    """`n` processes spinning on a core each. Spawned, not forked: a forked child of a process that
+    loaded OpenBLAS can deadlock in its fork handler (platform notes)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_burn, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
           ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True) -> dict[str, Any]:
     from benchmarks.bare_loop import chat_prompts
@@ -135,11 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--no-ssd", action="store_true", help="no SSD tier (serve_config.yaml has one)")
     p.add_argument("--no-cache", action="store_true", help="no prefix cache at all (what offers and restores cost)")
+    p.add_argument("--burn", type=int, default=0,
+                   help="busy processes beside the engine for the whole run (the HTTP stack's proxy, ingress "
+                        "and client keep ~4 cores busy: separates a slower step on a busier machine from Serve)")
     p.add_argument("--arrival-jitter-ms", type=float, default=0.0,
                    help="each request waits uniform(0, this) before it is sent (spread arrivals)")
     args = p.parse_args(argv)
+    burners = start_burners(args.burn)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
                    ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache)
+    for b in burners:
+        b.terminate()
     print(json.dumps(result), flush=True)
     # MLX's CUDA backend can abort at interpreter exit once a second thread used it
     # (benchmarks/results/accelerators-engine-runs.md).

@@ -56,6 +56,6 @@ def quantize(snap: Snapshot, policy: QuantPolicy) -> Snapshot:
         qk, qv = (tuple(mx.quantize(x, group_size=policy.group_size, bits=policy.bits)) for x in (k, v))
         layers.append(LayerSnapshot("KVCache", (qk, qv, n, policy.group_size, policy.bits)))
     arrays = [a for layer in layers for a in leaves(layer.slots)]
-    mx.async_eval(*arrays)  # as snapshot(): not waiting for the batch's step in flight
+    mx.eval(*arrays)
     nbytes = sum(a.nbytes for a in arrays) + snap.tokens.nbytes
     return Snapshot(snap.tokens, tuple(layers), nbytes, snap.trimmable)

@@ -13,9 +13,8 @@ neither be stored nor counted, and a trimmable entry serves any shorter prefix. 
 rule (a state-space `ArraysCache`: a running summary of every token so far) is copied whole and
 makes the snapshot non-trimmable: it serves exactly its own length, never a shorter prefix.
 
-Snapshots hold private copies (scheduled on the device when taken, not waited for). Caches handed
-back out are new objects (new containers, new array objects over the snapshot's buffers), so the
-engine mutating them never reaches the store.
+Snapshots hold private, evaluated copies. Caches handed back out are new objects (new containers,
+new array objects over the snapshot's buffers), so the engine mutating them never reaches the store.
 """
 
 from __future__ import annotations
@@ -179,7 +178,7 @@ def _arrays(layers: Sequence[LayerSnapshot]) -> list[mx.array]:
 
 
 def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
-    """Copy `cache` (covering exactly `tokens`) into a store-owned Snapshot (its copies scheduled)."""
+    """Copy `cache` (covering exactly `tokens`) into a store-owned, evaluated Snapshot."""
     n = len(tokens)
     if n == 0 or not cache:
         raise ValueError("nothing to store")
@@ -194,11 +193,7 @@ def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
     arrays = _arrays(layers)
     if not arrays:
         raise ValueError("the cache holds no state")
-    # Scheduled, not waited for: the copies queue behind the batch's step already in flight on
-    # the device, and `mx.eval` here would wait for that step too, idling the GPU while the host
-    # builds the next one (an offer lands on most steps at 128 concurrent). Reading the arrays
-    # later (a restore, `codec.to_host`) waits for the copies alone.
-    mx.async_eval(*arrays)
+    mx.eval(*arrays)
     return Snapshot(
         tokens=np.asarray(tokens, dtype=np.int64).copy(),
         layers=tuple(layers),
@@ -252,5 +247,5 @@ def truncate(snap: Snapshot, n: int) -> Snapshot:
         raise ValueError(f"cannot truncate {snap.num_tokens} tokens to {n}")
     layers = tuple(LayerSnapshot(layer.cls, cut_layer(layer.cls, layer.slots, n, _view)) for layer in snap.layers)
     arrays = _arrays(layers)
-    mx.async_eval(*arrays)
+    mx.eval(*arrays)
     return Snapshot(snap.tokens[:n].copy(), layers, sum(a.nbytes for a in arrays) + n * 8, True)
