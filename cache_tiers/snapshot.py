@@ -13,8 +13,13 @@ neither be stored nor counted, and a trimmable entry serves any shorter prefix. 
 rule (a state-space `ArraysCache`: a running summary of every token so far) is copied whole and
 makes the snapshot non-trimmable: it serves exactly its own length, never a shorter prefix.
 
-Snapshots hold private, evaluated copies. Caches handed back out are new objects (new containers,
-new array objects over the snapshot's buffers), so the engine mutating them never reaches the store.
+Snapshots hold evaluated arrays of exactly the rows they cover. A cut of a larger buffer is copied;
+an array that already has exactly those rows (every cache the engine offers fresh from mlx-lm's
+`extract`) is kept as a new array object over its buffer, not copied again: MLX arrays are values
+(a cache update makes a new array and rebinds its own object; a buffer still referenced is never
+donated), so sharing is as safe as the views restores hand out. Caches handed back out are new
+objects (new containers, new array objects over the snapshot's buffers), so the engine mutating
+them never reaches the store.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ CACHE_CLASSES: dict[str, type] = _cache_classes()
 SCALARS = (int, float, bool, str, type(None))
 
 # take(array, rows): a copy or view of the first `rows` rows along the token axis, or of all of it
-# (rows None). Snapshots copy (private buffers, no tail); restores and truncations take views.
+# (rows None). Snapshots copy what is longer than they keep (`_keep`); restores and truncations
+# take views.
 Take = Callable[[Any, "int | None"], Any]
 
 
@@ -164,6 +170,16 @@ def _view(x: mx.array, rows: int | None) -> mx.array:
     return x[...] if rows is None else x[..., :rows, :]
 
 
+def _keep(x: Any, rows: int | None) -> mx.array:
+    """A snapshot's take: an MLX array of exactly the rows kept is shared (a new object over its
+    buffer), anything longer is cut by a copy, so no buffer tail is held or counted. Offers of
+    caches fresh from mlx-lm's `extract` (already contiguous copies) then copy nothing again:
+    half the device copies of an offer, which the MLX thread launches on every finished request."""
+    if isinstance(x, mx.array) and (rows is None or x.shape[-2] == rows):
+        return _view(x, None)
+    return _copy(x, rows)
+
+
 def leaves(tree: Any) -> Iterator[Any]:
     """Every array in a state tree (or in a sequence of them)."""
     if isinstance(tree, (mx.array, np.ndarray)):
@@ -178,7 +194,7 @@ def _arrays(layers: Sequence[LayerSnapshot]) -> list[mx.array]:
 
 
 def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
-    """Copy `cache` (covering exactly `tokens`) into a store-owned, evaluated Snapshot."""
+    """`cache` (covering exactly `tokens`) as a store-owned, evaluated Snapshot (see `_keep`)."""
     n = len(tokens)
     if n == 0 or not cache:
         raise ValueError("nothing to store")
@@ -189,7 +205,7 @@ def snapshot(tokens: Sequence[int], cache: Sequence[Any]) -> Snapshot:
         state = tuple(layer.state)
         if any(length != n for length in layer_lengths(cls, state)):
             raise ValueError(f"{cls} covers {layer_lengths(cls, state)} tokens, not {n}")
-        layers.append(LayerSnapshot(cls, cut_layer(cls, state, n, _copy)))
+        layers.append(LayerSnapshot(cls, cut_layer(cls, state, n, _keep)))
     arrays = _arrays(layers)
     if not arrays:
         raise ValueError("the cache holds no state")

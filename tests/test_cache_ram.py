@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from test_cache_support import entry_bytes, kv_cache, rotating_cache, store, toks
+from mlx_lm.models.cache import KVCache
+from test_cache_support import DIM, HEADS, entry_bytes, kv_cache, rotating_cache, store, toks
+
+from cache_tiers.snapshot import cut_layer, snapshot
 
 
 def test_bytes_counted_without_buffer_tail():
@@ -141,3 +144,41 @@ def test_clear_ram():
     s.offer(toks(100), kv_cache(100), "finished")
     s.clear("ram")
     assert s.lookup(toks(101)) is None and s.stats()["ram"]["bytes"] == 0
+
+
+def _address(a: mx.array) -> int:
+    return np.asarray(a).__array_interface__["data"][0]  # on the CPU backend: the buffer itself
+
+
+def test_snapshot_shares_an_exact_cache_and_the_engine_cannot_reach_it():
+    """A cache of exactly the rows stored (mlx-lm's `extract` gives such copies) is not copied
+    again, and the engine updating that cache afterwards, in place or by growing it, leaves the
+    stored state as it was."""
+    n = 40
+    caches = []
+    for layer in kv_cache(n):
+        c = KVCache()
+        c.state = cut_layer("KVCache", tuple(layer.state), n, lambda x, rows: mx.array(x[..., :rows, :]))
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    before = [np.array(c.keys) for c in caches]
+    snap = snapshot(toks(n), caches)
+    for c, layer in zip(caches, snap.layers):
+        assert _address(layer.slots[0]) == _address(c.keys)  # shared, not copied
+        assert layer.slots[0] is not c.keys
+    for c in caches:
+        c.keys[..., :1, :] = mx.zeros_like(c.keys[..., :1, :])  # an in-place write on the engine's object
+        c.update_and_fetch(mx.ones((1, HEADS, 3, DIM)), mx.ones((1, HEADS, 3, DIM)))  # growth
+        mx.eval(c.keys)
+    for b, layer in zip(before, snap.layers):
+        assert np.array_equal(np.array(layer.slots[0]), b)
+    assert snap.nbytes == sum(b.nbytes * 2 for b in before) + n * 8
+
+
+def test_snapshot_copies_a_cut_of_a_longer_buffer():
+    n = 40  # mlx-lm's KVCache allocates 256 rows: the stored state must not hold the tail
+    caches = kv_cache(n)
+    snap = snapshot(toks(n), caches)
+    for c, layer in zip(caches, snap.layers):
+        assert c.keys.shape[-2] > n and layer.slots[0].shape[-2] == n
+        assert _address(layer.slots[0]) != _address(c.keys)
