@@ -58,6 +58,21 @@ def cpu_by_process(session: int, marker: str | None = None) -> dict[str, float]:
     return out
 
 
+def pids_of(session: int, marker: str | None = None) -> list[int]:
+    """The server's live processes: its session's, and any whose command line holds its marker."""
+    proc = Path("/proc")
+    if not proc.exists():
+        return []
+    out = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        info = _read(entry)
+        if info is not None and (info[0] == session or (marker and _has_marker(entry, marker))):
+            out.append(int(entry.name))
+    return out
+
+
 def _has_marker(pid_dir: Path, marker: str) -> bool:
     try:
         return marker.encode() in (pid_dir / "cmdline").read_bytes()

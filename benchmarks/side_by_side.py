@@ -37,7 +37,8 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # Also runnable: "pomona-unpaced", Pomona sending one stream item per engine step per request
 # (stream_items_per_s: 0, as before deployments/engine_host.py paced its streams), and
 # "pomona-throughput", Pomona on Ray Serve's throughput-optimized mode with its HTTP proxy kept, and
-# "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream).
+# "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream), and
+# "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false).
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
@@ -46,10 +47,12 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
     """`max_batch`: sequences decoding together (Pomona's engine.max_running, mlx_lm.server's
     --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
-    if name in ("pomona", "pomona-unpaced", "pomona-throughput", "pomona-nochannel"):
+    if name in ("pomona", "pomona-unpaced", "pomona-throughput", "pomona-nochannel", "pomona-nofast"):
         app_args = {"pomona-unpaced": {"stream_items_per_s": 0}, "pomona-nochannel": {"step_channel": False}}
-        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []),
-                             engine={"max_running": max_batch} if max_batch else None,
+        engine = {"max_running": max_batch} if max_batch else {}
+        if name == "pomona-nofast":
+            engine["cpu_fast_paths"] = False
+        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine or None,
                              app_args=app_args.get(name), name=name,
                              env=THROUGHPUT_ENV if name == "pomona-throughput" else None)
     if name == "vllm-mlx":

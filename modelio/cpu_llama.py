@@ -6,7 +6,8 @@ llama forward pass calls it for SiLU in every MLP and for the softmax in every a
 These subclasses of mlx-lm's own `Attention` and `MLP` keep their parameters and their call
 signature and change only how two functions are evaluated: SiLU and softmax, from `fast_exp`.
 The softmax path is for decode-sized queries only (at most `FAST_ATTENTION_MAX_QUERIES` per
-sequence). A prefill chunk (more queries) goes to `prefill_attention`: NumPy's exp is vectorised
+sequence) against long contexts (`FAST_SOFTMAX_MIN_KEYS`), and `silu_mul` for more than one row:
+below those sizes mlx-lm's own ops are faster. A prefill chunk (more queries) goes to `prefill_attention`: NumPy's exp is vectorised
 (AVX2/AVX-512 here), MLX's and the polynomial one are not at that size, and for an agent's
 follow-up turn (350 queries against 4,750 keys, SmolLM2's heads) the softmax alone took 215 ms in
 MLX and 20 ms in NumPy; the whole attention 5x less than MLX's own SDPA (benchmarks/attention_paths.py).
@@ -36,6 +37,15 @@ log = logging.getLogger("pomona.models")
 # quiet box: 4 queries 2.8 vs 4.7 ms, 24 queries 10.5 vs 59 ms at 8k keys); at one query the two are
 # within a millisecond and the MLX path avoids a synchronisation per layer.
 FAST_ATTENTION_MAX_QUERIES = 1
+# Keys from which a decode call takes the fast softmax; below, MLX's own SDPA. Measured on the
+# 2-core box, whole decode steps of the default model interleaved with mlx-lm's (fast / mlx-lm):
+# one sequence against 128 keys 1.07, 1,024 keys 1.08, 3,000 keys 0.81; eight against 256 keys 0.99.
+# With few keys the softmax is cheap either way and the fast path's extra ops cost more than it saves;
+# an agent's long context (10-40k tokens) is where it pays.
+FAST_SOFTMAX_MIN_KEYS = 2048
+# Rows (batch x queries) from which the MLP takes `silu_mul`; one decoding sequence takes mlx-lm's
+# compiled swiglu (the same measurement, MLP alone: 1 row 1.02-1.03, 4-8 rows 0.96-0.98).
+FAST_SILU_MIN_ROWS = 2
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
@@ -142,8 +152,10 @@ class CpuAttention(llama.Attention):
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
-        if L <= FAST_ATTENTION_MAX_QUERIES:
+        if L <= FAST_ATTENTION_MAX_QUERIES and k.shape[2] >= FAST_SOFTMAX_MIN_KEYS:
             out = attention(q, k, v, self.scale, mask)
+        elif L <= FAST_ATTENTION_MAX_QUERIES:  # decode against a short context: MLX's own
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         elif q.dtype == mx.float32:  # a prefill chunk
             out = prefill_attention(q, k, v, self.scale, mask)
         else:
@@ -152,9 +164,11 @@ class CpuAttention(llama.Attention):
 
 
 class CpuMLP(llama.MLP):
-    """mlx-lm's llama MLP with `silu_mul` in place of its compiled `swiglu`."""
+    """mlx-lm's llama MLP with `silu_mul` in place of its compiled `swiglu` (from two rows up)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.shape[0] * x.shape[1] < FAST_SILU_MIN_ROWS:
+            return super().__call__(x)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 

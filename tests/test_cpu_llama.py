@@ -154,27 +154,46 @@ def _flat(model):
     return tree_flatten(model.parameters())
 
 
-def test_prefill_chunks_use_numpy_attention_and_decode_the_fast_softmax(models, monkeypatch) -> None:
-    """Prefill chunks (more than FAST_ATTENTION_MAX_QUERIES queries) go to `prefill_attention`,
-    decode-sized calls to the materialised fast softmax. Same logits as mlx-lm's model either way."""
+def test_prefill_chunks_use_numpy_attention_and_decode_the_fast_softmax_on_long_contexts(models, monkeypatch) -> None:
+    """Prefill chunks (more than FAST_ATTENTION_MAX_QUERIES queries) go to `prefill_attention`;
+    decode-sized calls to the materialised fast softmax once the context has FAST_SOFTMAX_MIN_KEYS
+    keys, to MLX's SDPA before (where it is faster). Same logits as mlx-lm's model every way."""
     import modelio.cpu_llama as cpu_llama
 
     ref, fast = models
+    n = cpu_llama.FAST_ATTENTION_MAX_QUERIES + 8
+    monkeypatch.setattr(cpu_llama, "FAST_SOFTMAX_MIN_KEYS", n + 2)  # the second decode step reaches it
     calls: list[tuple[str, int]] = []
     for name in ("attention", "prefill_attention"):
         real = getattr(cpu_llama, name)
         monkeypatch.setattr(cpu_llama, name,
                             lambda q, *a, _n=name, _f=real: calls.append((_n, q.shape[2])) or _f(q, *a))
-    n = cpu_llama.FAST_ATTENTION_MAX_QUERIES + 8
     prompt = mx.array([[i % 200 + 3 for i in range(n)]])
     caches = make_prompt_cache(fast), make_prompt_cache(ref)
     got, want = fast(prompt, cache=caches[0]), ref(prompt, cache=caches[1])
     layers = len(fast.model.layers)
     assert calls == [("prefill_attention", n)] * layers and mx.allclose(got, want, atol=1e-4).item()
-    calls.clear()
-    step = mx.array([[7]])
-    got, want = fast(step, cache=caches[0]), ref(step, cache=caches[1])
-    assert calls == [("attention", 1)] * layers and mx.allclose(got, want, atol=1e-4).item()
+    for expected in ([], [("attention", 1)] * layers):  # n + 1 keys: SDPA; n + 2: the fast softmax
+        calls.clear()
+        step = mx.array([[7]])
+        got, want = fast(step, cache=caches[0]), ref(step, cache=caches[1])
+        assert calls == expected and mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_mlp_takes_silu_mul_from_two_rows(models, monkeypatch) -> None:
+    """One decoding sequence (one row) takes mlx-lm's compiled swiglu, two rows and more `silu_mul`;
+    the same output either way."""
+    import modelio.cpu_llama as cpu_llama
+
+    ref, fast = models
+    rows: list[int] = []
+    real = cpu_llama.silu_mul
+    monkeypatch.setattr(cpu_llama, "silu_mul", lambda g, u: rows.append(g.shape[0] * g.shape[1]) or real(g, u))
+    mlp, ref_mlp = fast.model.layers[0].mlp, ref.model.layers[0].mlp
+    for shape in ((1, 1), (2, 1), (1, 3)):
+        x = mx.random.normal((*shape, fast.args.hidden_size))
+        assert mx.allclose(mlp(x), ref_mlp(x), atol=1e-4).item()
+    assert rows == [2, 3]
 
 
 def _padding_mask(B: int, L: int, S: int, pads: list[int]) -> mx.array:
