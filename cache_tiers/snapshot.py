@@ -10,7 +10,7 @@ prefix cache, hybrid (state-space) models included.
 Only token-indexed KV caches need to know more, in `_RULES`: how to cut their arrays to the first
 n tokens. That serves two ends: their buffers grow in 256-row steps and the unused tail must
 neither be stored nor counted, and a trimmable entry serves any shorter prefix. A layer without a
-rule (a state-space `ArraysCache`: a running summary of every token so far) is copied whole and
+rule (a state-space `ArraysCache`: a running summary of every token so far) is kept whole and
 makes the snapshot non-trimmable: it serves exactly its own length, never a shorter prefix.
 
 Snapshots hold evaluated arrays of exactly the rows they cover. A cut of a larger buffer is copied;
