@@ -5,7 +5,8 @@
 #
 # probe:   benchmarks/token_path.py (no model): Serve's token path, pacing off / 1000 / 2000 items/s.
 # engine:  benchmarks/engine_loop.py on the 1B model at 32 and 128 concurrent, with and without the SSD tier
-#          (ENGINE_FLAGS: comma-separated variants, default ",--no-ssd"; e.g. "--no-ssd,--no-ssd --burn 4").
+#          (ENGINE_FLAGS: comma-separated variants, default ",--no-ssd"; e.g. "--no-ssd,--no-ssd --burn 4";
+#          "--burn 8 --cpus @ENGINE_CPUS@ --burn-cpus @BURN_CPUS@": the engine on two physical cores, burners elsewhere).
 # profile: benchmarks/device_http_profile.py: py-spy on the Serve processes at 128 concurrent, 1B model
 #          (variants default, ingress4, throughput: tok/s and CPU of each).
 # 1b, smollm2: a random bf16 model of that shape (device_serve_model.py), then benchmarks/side_by_side.py:
@@ -37,7 +38,11 @@ for what in ${1//,/ }; do
     engine)
       [ -d /tmp/models/1b ] || python3 -m benchmarks.device_serve_model 1b /tmp/models/1b >/dev/null
       IFS=',' read -ra variants <<< "${ENGINE_FLAGS-,--no-ssd}"
+      # @ENGINE_CPUS@ / @BURN_CPUS@ in a variant: two physical cores (with their SMT siblings) / the rest
+      read -r eng_cpus burn_cpus <<< "$(python3 -m benchmarks.cpu_topology split 2)"
+      echo "cpu topology: $(python3 -m benchmarks.cpu_topology show); engine cpus $eng_cpus, burners $burn_cpus"
       for flag in "${variants[@]}"; do   # 128 twice: the first pass compiles the shapes
+        flag=${flag//@ENGINE_CPUS@/$eng_cpus}; flag=${flag//@BURN_CPUS@/$burn_cpus}
         timeout 300 python3 -m benchmarks.engine_loop /tmp/models/1b --concurrency 32,128,128 --max-running 128 \
           $flag 2>/tmp/engine_loop.stderr | tail -1 | sed "s/^/engine_loop $flag: /" || tail -c 1500 /tmp/engine_loop.stderr
       done ;;

@@ -95,18 +95,29 @@ async def closed_loop(engine: Any, prompts: Sequence[Sequence[int]], max_tokens:
             "itl_ms_p50": percentile(gaps, 50) * 1000 if gaps else None}
 
 
-def _burn() -> None:
+def cpu_list(spec: str) -> set[int]:
+    """"0-3+8+10-11" -> {0, 1, 2, 3, 8, 10, 11} ('+' between parts: ENGINE_FLAGS splits on commas)."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.replace(",", "+").split("+")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _burn(cpus: set[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while True:
         pass
 
 
-def start_burners(n: int) -> list[Any]:
-    """`n` processes spinning on a core each. Spawned, not forked: a forked child of a process that
-    loaded OpenBLAS can deadlock in its fork handler (platform notes)."""
+def start_burners(n: int, cpus: set[int] | None = None) -> list[Any]:
+    """`n` processes spinning on a core each (on `cpus` when given). Spawned, not forked: a forked child
+    of a process that loaded OpenBLAS can deadlock in its fork handler (platform notes)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_burn, daemon=True) for _ in range(n)]
+    procs = [ctx.Process(target=_burn, args=(cpus,), daemon=True) for _ in range(n)]
     for proc in procs:
         proc.start()
     return procs
@@ -157,8 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "and client keep ~4 cores busy: separates a slower step on a busier machine from Serve)")
     p.add_argument("--arrival-jitter-ms", type=float, default=0.0,
                    help="each request waits uniform(0, this) before it is sent (spread arrivals)")
+    p.add_argument("--burn-cpus", default="", help="the burners' CPUs, e.g. 4-15 (Linux)")
+    p.add_argument("--cpus", default="",
+                   help="the engine's CPUs, e.g. 0-1+8-9 (Linux): with --burn-cpus, whether a burner on the "
+                        "MLX thread's SMT sibling is what slows it")
     args = p.parse_args(argv)
-    burners = start_burners(args.burn)
+    if args.cpus:
+        os.sched_setaffinity(0, cpu_list(args.cpus))
+    burners = start_burners(args.burn, cpu_list(args.burn_cpus) or None)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
                    ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache)
     for b in burners:
