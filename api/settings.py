@@ -85,6 +85,9 @@ class AppSettings:
     # One Ray item per engine step from each LLM server replica to each ingress replica, carrying every
     # request's events (deployments/channels.py); false: one Ray stream item per request per send.
     step_channel: bool = True
+    # The engine in a process of its own beside each LLM server replica (deployments/engine_process.py):
+    # its MLX thread then shares no interpreter with Ray Serve's threads; false: in the replica.
+    engine_process: bool = True
     responses: ResponseStoreSettings = ResponseStoreSettings()  # /v1/responses store (api/response_store.py)
     tool_parser: str | None = None  # an mlx_lm.tool_parsers module name; None: the model's own, else the fallback
     # Other names clients may send as `model` for the served model: exact names or fnmatch patterns

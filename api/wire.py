@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Mapping
 
-from engine.types import ContextLengthError, EngineClosedError, OverloadedError, SamplingParams, TokenEvent
+from engine.types import (ContextLengthError, EngineClosedError, FinishReason, OverloadedError, SamplingParams,
+                          TokenEvent, TokenLogprob, Usage)
 
 
 def event_to_wire(event: TokenEvent) -> dict[str, Any]:
@@ -32,6 +33,17 @@ def event_to_wire(event: TokenEvent) -> dict[str, Any]:
         "code": event.error_code,  # "timeout", "reset", ...: the ingress picks the HTTP status from it
         "stop_str": event.stop_string,  # the stop string that ended the request, if one did
     }
+
+
+def event_from_wire(request_id: str, wire: Mapping[str, Any]) -> TokenEvent:
+    """`event_to_wire`'s inverse (the engine's own process sends its events this way)."""
+    lp, usage, finish = wire.get("lp"), wire.get("usage"), wire.get("finish")
+    return TokenEvent(
+        request_id=request_id, token_id=wire.get("token"), text=wire.get("text") or "",
+        logprob=None if lp is None else TokenLogprob(lp["id"], lp["lp"], tuple((int(t), float(v)) for t, v in lp["top"])),
+        finish_reason=None if finish is None else FinishReason(finish),
+        usage=None if usage is None else Usage(**usage),
+        error=wire.get("error"), error_code=wire.get("code"), stop_string=wire.get("stop_str"))
 
 
 def rejection(exc: Exception) -> dict[str, Any]:

@@ -7,7 +7,8 @@ untimed pass, then the suite's random workload at `--concurrency` while `py-spy 
 Serve process (raw collapsed stacks, all threads, GIL holder marked) for `--seconds`. Prints per
 process: CPU seconds over the load, and per thread the share of samples and the top frames by
 self samples; the raw stacks go to $PYSPY_DIR/<variant>/pyspy-<process>.txt (default /tmp/pyspy). Variants: `ingress4` (4 ingress
-replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier; `nocache`: no prefix cache.
+replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier; `nocache`: no prefix cache; `inproc-nossd`: the engine
+inside the replica's process (engine_process: false).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from benchmarks.serve_bench import eos_extra_body, run_workload
 from benchmarks.servers import launched
 from benchmarks.workloads import TextMaker, build, full_suite
 
-PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor")
+# Ray's processes by their "ray::" names; "engine_worker" is the engine's own process (engine_process: true)
+PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor", "engine_worker")
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 NO_SSD = {"ssd_dir": None}
 # name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process,
@@ -47,6 +49,8 @@ VARIANTS = {
     "throughput-nossd": ({}, THROUGHPUT_ENV, NO_SSD),
     # No prefix cache at all: what its offers and restores cost the engine behind Serve.
     "nocache": ({}, {}, {"enabled": False}),
+    # The engine inside the replica's process, as before engine_process (deployments/engine_process.py).
+    "inproc-nossd": ({"engine_process": False}, {}, NO_SSD),
 }
 
 
@@ -68,7 +72,7 @@ def pids_of(name: str) -> list[int]:
                 cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if cmd.startswith(f"ray::{name}"):
+            if cmd.startswith(f"ray::{name}") or (name == "engine_worker" and "deployments.engine_worker" in cmd):
                 found.append(int(entry.name))
     return found
 

@@ -124,27 +124,33 @@ def start_burners(n: int, cpus: set[int] | None = None) -> list[Any]:
 
 
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
-          ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True) -> dict[str, Any]:
+          ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True, process: bool = False) -> dict[str, Any]:
+    """`process`: the engine in its own process (deployments/engine_process.py), as the server runs it."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
     from benchmarks.bare_loop import chat_prompts
     from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite, quick_suite
+    from deployments.engine_process import EngineProcess
     from engine.loop import AsyncEngine
 
     suite = quick_suite() if quick else full_suite()
     maker = TextMaker(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as ssd_dir:
-        engine = AsyncEngine(engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache))
+        engine = (EngineProcess if process else AsyncEngine)(
+            engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache))
 
         async def main() -> None:
             await engine.wait_ready()
-            warm = chat_prompts(engine.tokenizer, [[{"role": "user", "content": "warm up"}]] * 2)
+            warm = chat_prompts(tokenizer, [[{"role": "user", "content": "warm up"}]] * 2)
             await closed_loop(engine, warm, 4, 2, "warm")
             for c in concurrencies:
                 # Cold at every level, as the HTTP servers are: a level run twice (side_by_side --warm)
                 # would otherwise find its own prompts in the prefix cache the second time.
                 await engine.clear_cache("all")
                 convs = build(suite.sweep_spec(c), maker)
-                prompts = chat_prompts(engine.tokenizer, [first_turn_messages(conv) for conv in convs])
+                prompts = chat_prompts(tokenizer, [first_turn_messages(conv) for conv in convs])
                 out[str(c)] = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}", jitter_s)
             await engine.shutdown(drain_s=0)
 
@@ -168,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "and client keep ~4 cores busy: separates a slower step on a busier machine from Serve)")
     p.add_argument("--arrival-jitter-ms", type=float, default=0.0,
                    help="each request waits uniform(0, this) before it is sent (spread arrivals)")
+    p.add_argument("--process", action="store_true",
+                   help="the engine in its own process, as the server runs it (engine_process: true)")
     p.add_argument("--burn-cpus", default="", help="the burners' CPUs, e.g. 4-15 (Linux)")
     p.add_argument("--cpus", default="",
                    help="the engine's CPUs, e.g. 0-1+8-9 (Linux): with --burn-cpus, whether a burner on the "
@@ -177,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, cpu_list(args.cpus))
     burners = start_burners(args.burn, cpu_list(args.burn_cpus) or None)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
-                   ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache)
+                   ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache,
+                   process=args.process)
     for b in burners:
         b.terminate()
     print(json.dumps(result), flush=True)

@@ -77,11 +77,13 @@ class EngineHost:
     """The engine plus the conversions around it; one per LLM server replica."""
 
     def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None,
-                 pacing: StreamPacing = StreamPacing(), replica_key: str = "") -> None:
+                 pacing: StreamPacing = StreamPacing(), replica_key: str = "", process: bool = False) -> None:
+        """`process`: the engine in its own process (deployments/engine_process.py), else in this one."""
         if engine_factory is None:
-            from engine.loop import AsyncEngine
-
-            engine_factory = AsyncEngine
+            if process:
+                from deployments.engine_process import EngineProcess as engine_factory
+            else:
+                from engine.loop import AsyncEngine as engine_factory
         self.config = config
         self.engine = engine_factory(config)
         self.pacing = pacing
@@ -98,7 +100,7 @@ class EngineHost:
 
     async def start(self) -> None:
         await self.engine.wait_ready()
-        blas = openblas_loaded()
+        blas = self.engine.stats().get("openblas", openblas_loaded())  # the engine's process, if its own
         if blas is False:
             log.warning("OpenBLAS is not preloaded in this process: MLX on the Linux CPU runs ~15x slower. "
                         "Install libopenblas0-pthread and keep blas_preload: auto in serve_config.yaml.")
@@ -246,7 +248,7 @@ class EngineHost:
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
-        stats["openblas"] = openblas_loaded()
+        stats.setdefault("openblas", openblas_loaded())
         stats["stream_items"] = {"request": self.items["request"], "channel": self.items["channel"]}
         return stats
 
@@ -271,7 +273,9 @@ class EngineHost:
             result = {"failed_requests": await engine.deep_reset()}
         else:
             raise ValueError(f"unknown admin action {action!r}")
-        return {"replica": {"pid": os.getpid(), "host": socket.gethostname()}, **result}
+        # engine_pid: the engine's own process (engine_process: true), else this replica's
+        engine_pid = self.engine.stats().get("engine_pid", os.getpid())
+        return {"replica": {"pid": os.getpid(), "host": socket.gethostname(), "engine_pid": engine_pid}, **result}
 
     async def shutdown(self, drain_s: float) -> None:
         try:

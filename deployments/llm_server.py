@@ -41,6 +41,7 @@ class LLMServer:
         try:
             await self._status.prepare(settings.engine.model)
             self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s),
+                                    process=settings.engine_process,
                                     replica_key=serve.get_replica_context().replica_id.unique_id)
             await self._host.start()
         except Exception as exc:

@@ -71,7 +71,8 @@ class MultiplexedLLMServer:
         status = ModelStatus.on_board(name, settings.engine.model)
         try:
             await status.prepare(settings.engine.model)
-            host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s))
+            host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s),
+                                    process=settings.engine_process)
             await host.start()
         except Exception as exc:
             status.set(phase="failed", error=str(exc))

@@ -3,7 +3,7 @@
 Apps on one cluster: "/load" (4 running + 8 queued = capacity 12), "/stages" (one slot, 8-token
 prefill chunks, so a request can be caught queued, prefilling or decoding) and "/timeout"
 (engine.request_timeout_s = 1 s); "/none" is added for one test: its model server can never be
-placed. The replica-kill test runs last: it restarts "/load"'s replica.
+placed. The kill tests run last: they restart "/stages"'s and "/load"'s replicas.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def base(tiny_model_dir):
 
 
 def replica_rss(app: str) -> int:
-    pid = admin(app, "cache")["data"][0]["replica"]["pid"]
-    return psutil.Process(pid).memory_info().rss
+    """The replica's and its engine process's RSS together (the engine's own process holds the model)."""
+    replica = admin(app, "cache")["data"][0]["replica"]
+    assert replica["engine_pid"] != replica["pid"]  # engine_process: true, the default
+    return sum(psutil.Process(replica[k]).memory_info().rss for k in ("pid", "engine_pid"))
 
 
 async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
@@ -233,10 +235,36 @@ def test_soak_with_random_disconnects_returns_to_idle_and_memory_stays_flat(base
     assert ok.status_code == 200 and httpx.get(f"{app}/health").status_code == 200
 
 
+def test_engine_process_killed_mid_stream(base):
+    """SIGKILL "/stages"'s engine process (not its replica) while it streams: the client gets an
+    error event, the health check fails, and Serve replaces the replica, which serves again."""
+    app = f"{base}/stages"
+    replica = admin(app, "cache")["data"][0]["replica"]
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:
+                os.kill(replica["engine_pid"], signal.SIGKILL)
+    assert lines[-1] == "data: [DONE]" and "engine process exited" in lines[-2], lines[-2:]
+    assert not any('"finish_reason":"length"' in line for line in lines)
+
+    def served() -> bool:
+        r = httpx.post(f"{app}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
+        assert r.status_code in (200, 503), r.text  # 503 + Retry-After until the new replica is up
+        return r.status_code == 200
+    wait_for(served, 180, 0.5)
+    now = admin(app, "cache")["data"][0]["replica"]
+    assert now["pid"] != replica["pid"] and now["engine_pid"] != replica["engine_pid"]
+
+
 def test_replica_killed_mid_stream(base):
     """Runs last: SIGKILL the "/load" engine replica while it streams; the client gets an error event."""
     app = f"{base}/load"
-    pid = admin(app, "cache")["data"][0]["replica"]["pid"]
+    replica = admin(app, "cache")["data"][0]["replica"]
+    pid = replica["pid"]
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}
     lines: list[str] = []
     with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=120) as resp:
@@ -254,3 +282,6 @@ def test_replica_killed_mid_stream(base):
         return r.status_code == 200
     wait_for(served, 180, 0.5)
     assert admin(app, "cache")["data"][0]["replica"]["pid"] != pid
+    # No orphan: the dead replica's engine process ended with it (it exits at its socket's end).
+    wait_for(lambda: not psutil.pid_exists(replica["engine_pid"]) or
+             psutil.Process(replica["engine_pid"]).status() == psutil.STATUS_ZOMBIE, 30, 0.2)
