@@ -16,6 +16,7 @@ import asyncio
 import os
 import random
 import tempfile
+from pathlib import Path
 import time
 from typing import Any, Sequence
 
@@ -135,7 +136,7 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
 
     suite = quick_suite() if quick else full_suite()
     maker = TextMaker(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(Path(model_dir))
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as ssd_dir:
         engine = (EngineProcess if process else AsyncEngine)(
