@@ -171,7 +171,10 @@ def test_a_dead_worker_ends_open_requests_with_an_error_and_fails_health(tiny_mo
         stream = engine.stream(req("victim", 10, max_tokens=2000, ignore_eos=True))
         await stream.__anext__()
         os.kill(engine.process.pid, signal.SIGKILL)
-        rest = [e async for batch in stream for e in batch]
+
+        async def rest_of_stream() -> list:
+            return [e async for batch in stream for e in batch]
+        rest = await asyncio.wait_for(rest_of_stream(), 60)  # it ends; it does not hang
         last = rest[-1]
         assert last.finish_reason == FinishReason.ERROR and last.error_code == "internal_error"
         assert "engine process exited" in last.error and "retry" in last.error
