@@ -152,26 +152,36 @@ class EngineProcess:
         self._writer.write(pack(message))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        while (message := await receive(reader)) is not None:
-            kind = message[0]
-            if kind == "events":
-                for rid, wires in message[1].items():
-                    queue = self._streams.get(rid)
-                    if queue is not None:
-                        queue.put_nowait([event_from_wire(rid, w) for w in wires])
-            elif kind == "stats":
-                self._stats = {**message[1], "openblas": self._openblas, "engine_pid": self.process.pid}
-            elif kind == "refused":
-                queue = self._streams.get(message[1])
-                if queue is not None:
-                    queue.put_nowait(refusal_from_wire(*message[2:]))
-            elif kind == "reply":
-                future = self._calls.pop(message[1], None)
-                if future is not None and not future.done():
-                    _, _, ok, value = message
-                    future.set_result(value) if ok else future.set_exception(refusal_from_wire(*value))
+        """Dispatch the worker's frames until its socket ends; then fail whatever is still open."""
+        try:
+            while (message := await receive(reader)) is not None:
+                self._dispatch(message)
+        except Exception:  # a frame we cannot read: the two sides disagree, so stop the worker
+            log.exception("reading the engine process's frames failed; stopping it")
+            self.process.kill()
         code = await asyncio.to_thread(self.process.wait)
         self._lost(f"the engine process exited (code {code})")
+
+    def _dispatch(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "events":
+            for rid, wires in message[1].items():
+                queue = self._streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait([event_from_wire(rid, w) for w in wires])
+        elif kind == "stats":
+            self._stats = {**message[1], "openblas": self._openblas, "engine_pid": self.process.pid}
+        elif kind == "refused":
+            queue = self._streams.get(message[1])
+            if queue is not None:
+                queue.put_nowait(refusal_from_wire(*message[2:]))
+        elif kind == "reply":
+            future = self._calls.pop(message[1], None)
+            if future is not None and not future.done():
+                _, _, ok, value = message
+                future.set_result(value) if ok else future.set_exception(refusal_from_wire(*value))
+        else:
+            raise ValueError(f"unknown frame {kind!r} from the engine process")
 
     def _lost(self, why: str) -> None:
         """Every open request ends with an error event; every pending call fails; health checks fail."""

@@ -191,6 +191,26 @@ def test_a_dead_worker_ends_open_requests_with_an_error_and_fails_health(tiny_mo
     asyncio.run(main())
 
 
+def test_a_frame_the_replica_cannot_read_stops_the_worker_and_fails_open_requests(tiny_model_dir):
+    async def main() -> None:
+        engine = EngineProcess(config(tiny_model_dir))
+        await engine.wait_ready(120)
+        stream = engine.stream(req("open", 10, max_tokens=2000, ignore_eos=True))
+        await stream.__anext__()
+        garbled = asyncio.StreamReader()
+        garbled.feed_data(pack(["no-such-frame", 1]))
+        await asyncio.wait_for(engine._read(garbled), 60)  # noqa: SLF001 (our own class)
+        assert engine.process.returncode is not None and not engine.ready
+
+        async def rest_of_stream() -> list:
+            return [e async for batch in stream for e in batch]
+        last = (await asyncio.wait_for(rest_of_stream(), 60))[-1]
+        assert last.finish_reason == FinishReason.ERROR and last.error_code == "internal_error"
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_the_worker_exits_when_its_replica_dies(tiny_model_dir):
     script = textwrap.dedent(f"""
         import asyncio, sys, time
