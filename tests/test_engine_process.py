@@ -9,6 +9,7 @@ exits, and a worker that dies ends every open request with an error event and fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,6 +36,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def config(model: Path, **overrides) -> EngineConfig:
     overrides.setdefault("cache", CacheConfig(enabled=False))
     return EngineConfig(model=str(model), **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: EngineConfig):
+    """An EngineProcess, ready, shut down at the end whatever happened."""
+    engine = EngineProcess(cfg)
+    await engine.wait_ready(120)
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
 
 
 def req(rid: str, n: int, **params) -> Request:
@@ -76,10 +88,8 @@ def test_the_same_events_as_the_engine_in_process(tiny_model_dir):
 
 def test_refusals_raise_the_engines_own_exceptions(tiny_model_dir):
     async def main() -> None:
-        engine = EngineProcess(config(tiny_model_dir, max_running=1, max_waiting=1, prefill_batch=1,
-                                            max_tokens_limit=1000))
-        await engine.wait_ready(120)
-        try:
+        cfg = config(tiny_model_dir, max_running=1, max_waiting=1, prefill_batch=1, max_tokens_limit=1000)
+        async with running(cfg) as engine:
             with pytest.raises(ContextLengthError, match="maximum context length"):
                 await events_of(engine, req("long", 10, max_tokens=engine.context_length))
             with pytest.raises(InvalidRequestError, match="max_tokens must be at most"):
@@ -96,17 +106,13 @@ def test_refusals_raise_the_engines_own_exceptions(tiny_model_dir):
             assert refused.value.retry_after_s > 0
             await first.aclose()  # leaves early: aborted there
             assert (await second)[-1].finish_reason == FinishReason.LENGTH
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
 
 def test_a_consumer_that_leaves_aborts_the_request_there(tiny_model_dir):
     async def main() -> None:
-        engine = EngineProcess(config(tiny_model_dir))
-        await engine.wait_ready(120)
-        try:
+        async with running(config(tiny_model_dir)) as engine:
             stream = engine.stream(req("leave", 10, max_tokens=1000, ignore_eos=True))
             await stream.__anext__()
             await stream.aclose()
@@ -117,17 +123,14 @@ def test_a_consumer_that_leaves_aborts_the_request_there(tiny_model_dir):
             assert await engine.requests_status() == []
             await asyncio.sleep(0.3)  # stats arrive every 0.1 s
             assert engine.stats()["requests_finished"] == {"abort": 1}
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
 
 def test_administration_crosses_the_socket(tiny_model_dir, tmp_path):
     async def main() -> None:
-        engine = EngineProcess(config(tiny_model_dir, cache=CacheConfig(ssd_dir=str(tmp_path / "ssd"))))
-        await engine.wait_ready(120)
-        try:
+        cfg = config(tiny_model_dir, cache=CacheConfig(ssd_dir=str(tmp_path / "ssd")))
+        async with running(cfg) as engine:
             await engine.ping()
             await events_of(engine, req("x", 40, max_tokens=2))
             held = await engine.held_prefixes(8)
@@ -139,8 +142,6 @@ def test_administration_crosses_the_socket(tiny_model_dir, tmp_path):
                 await engine.clear_cache("everything")
             assert await engine.deep_reset() == 0
             assert engine.stats()["engine_pid"] == engine.process.pid != os.getpid()
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 

@@ -235,10 +235,10 @@ def test_soak_with_random_disconnects_returns_to_idle_and_memory_stays_flat(base
     assert ok.status_code == 200 and httpx.get(f"{app}/health").status_code == 200
 
 
-def test_engine_process_killed_mid_stream(base):
-    """SIGKILL "/stages"'s engine process (not its replica) while it streams: the client gets an
-    error event, the health check fails, and Serve replaces the replica, which serves again."""
-    app = f"{base}/stages"
+def kill_mid_stream(app: str, victim: str) -> tuple[dict, list[str]]:
+    """Stream a long completion from `app`, SIGKILL its replica's `victim` ("pid" or "engine_pid")
+    after the first events, and wait until the app serves again (503 + Retry-After meanwhile).
+    Returns the replica's admin record from before and the streamed lines."""
     replica = admin(app, "cache")["data"][0]["replica"]
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}
     lines: list[str] = []
@@ -247,15 +247,24 @@ def test_engine_process_killed_mid_stream(base):
             if line:
                 lines.append(line)
             if len(lines) == 3:
-                os.kill(replica["engine_pid"], signal.SIGKILL)
-    assert lines[-1] == "data: [DONE]" and "engine process exited" in lines[-2], lines[-2:]
+                os.kill(replica[victim], signal.SIGKILL)
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
     assert not any('"finish_reason":"length"' in line for line in lines)
 
     def served() -> bool:
         r = httpx.post(f"{app}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
-        assert r.status_code in (200, 503), r.text  # 503 + Retry-After until the new replica is up
+        assert r.status_code in (200, 503), r.text
         return r.status_code == 200
     wait_for(served, 180, 0.5)
+    return replica, lines
+
+
+def test_engine_process_killed_mid_stream(base):
+    """SIGKILL "/stages"'s engine process (not its replica) while it streams: the client gets an
+    error event, the health check fails, and Serve replaces the replica, which serves again."""
+    app = f"{base}/stages"
+    replica, lines = kill_mid_stream(app, "engine_pid")
+    assert "engine process exited" in lines[-2], lines[-2]
     now = admin(app, "cache")["data"][0]["replica"]
     assert now["pid"] != replica["pid"] and now["engine_pid"] != replica["engine_pid"]
 
@@ -263,25 +272,8 @@ def test_engine_process_killed_mid_stream(base):
 def test_replica_killed_mid_stream(base):
     """Runs last: SIGKILL the "/load" engine replica while it streams; the client gets an error event."""
     app = f"{base}/load"
-    replica = admin(app, "cache")["data"][0]["replica"]
-    pid = replica["pid"]
-    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    lines: list[str] = []
-    with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=120) as resp:
-        for line in resp.iter_lines():
-            if line:
-                lines.append(line)
-            if len(lines) == 3:
-                os.kill(pid, signal.SIGKILL)
-    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
-    assert not any('"finish_reason":"length"' in line for line in lines)
-
-    def served() -> bool:
-        r = httpx.post(f"{app}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
-        assert r.status_code in (200, 503), r.text  # 503 + Retry-After while the replica restarts
-        return r.status_code == 200
-    wait_for(served, 180, 0.5)
-    assert admin(app, "cache")["data"][0]["replica"]["pid"] != pid
+    replica, _ = kill_mid_stream(app, "pid")
+    assert admin(app, "cache")["data"][0]["replica"]["pid"] != replica["pid"]
     # No orphan: the dead replica's engine process ended with it (it exits at its socket's end).
     wait_for(lambda: not psutil.pid_exists(replica["engine_pid"]) or
              psutil.Process(replica["engine_pid"]).status() == psutil.STATUS_ZOMBIE, 30, 0.2)
