@@ -17,9 +17,18 @@ class SchedulingPolicy(str, enum.Enum):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    max_running: int = 32  # sequences decoding together (BatchGenerator completion batch)
+    max_running: int = 32  # sequences decoding together
+    # "pomona": the engine's own batched step (engine/step_runner.py): prompts fed in chunks inside
+    # decode steps, a KV table of reusable rows; models it cannot run fall back to "mlx_lm"
+    # (mlx-lm's BatchGenerator, the reference), logged once.
+    engine_step: str = "pomona"
+    # The own step keeps a step that also feeds prompt chunks within this many times a plain decode
+    # step (measured as it runs); null: only max_batch_tokens bounds the chunks.
+    max_decode_stall: float | None = 1.5
     max_waiting: int = 256  # bounded waiting queue; past it requests are refused as overloaded
-    max_batch_tokens: int = 8192  # token budget for prompts admitted into prefill at once
+    # Token budget: of prompts admitted into prefill at once, and (own step) of one step's tokens,
+    # one per decoding sequence plus the prompt chunks fed beside them.
+    max_batch_tokens: int = 8192
     prefill_chunk: int = 256  # prompt tokens per prefill step; bounds the stall of running decodes
     prefill_batch: int = 8  # prompts prefilled together (grouped by length)
     # A short prompt joins a running prefill only within this length ratio (padding costs compute
@@ -57,6 +66,10 @@ class EngineConfig:
                      "max_tokens_limit", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine_step not in ("pomona", "mlx_lm"):
+            raise ValueError('engine.engine_step must be "pomona" or "mlx_lm"')
+        if self.max_decode_stall is not None and self.max_decode_stall <= 1.0:
+            raise ValueError("engine.max_decode_stall must be > 1 or null")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError("engine.checkpoint_every must be >= 1 or null")
         if self.prefill_batch > self.max_running:

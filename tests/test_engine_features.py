@@ -214,8 +214,11 @@ def test_bounded_kv_cache_is_stored_and_reused_only_at_exact_boundaries(tiny_mod
 
 @pytest.mark.parametrize("hold", [True, False])
 def test_newcomer_waits_for_an_earlier_prompts_first_token(tiny_model_dir, hold):
-    """The engine counts a prompt that is fed but has no token yet, and the scheduler holds others back."""
-    config = EngineConfig(model=str(tiny_model_dir), first_token_first=hold, prefill_group_ratio=None)
+    """The engine counts a prompt that is fed but has no token yet, and the scheduler holds others back.
+    On mlx-lm's step, whose first token comes steps after the prompt is fed (the engine's own step
+    reads it back the step after)."""
+    config = EngineConfig(model=str(tiny_model_dir), first_token_first=hold, prefill_group_ratio=None,
+                          engine_step="mlx_lm")
     loaded = tiny_loader(tiny_model_dir)(config)
     eng = Engine(loaded.model, loaded.tokenizer, config)
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -1,0 +1,189 @@
+"""Pomona's own step (engine/step_runner.py) against mlx-lm's BatchGenerator (engine/runner.py), the
+reference: the same greedy tokens, log-probabilities and endings for prompts of mixed lengths that
+arrive at any step, leave early, stop on a token, or start from a cached prefix."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.config import EngineConfig
+from engine.runner import Runner
+from engine.sampling import make_decoding
+from engine.step_runner import StepRunner, make_runner
+from engine.types import SamplingParams
+from engine_helpers import collect, make_engine, request, run
+from hybrid_models import hybrid_model_dir  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return mlx_lm.load(str(tiny_model_dir))[0]
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    arrive: int = 0  # the step it is inserted before
+    abort: int | None = None  # the step it is removed before (None: runs to its end)
+    stop: tuple[int, ...] = ()
+    prefix: int = 0  # tokens of the prompt given as a ready cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ending: str | None = None
+
+
+def prefix_cache(model, tokens):
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def drive(model, make, jobs: list[Job], max_running: int = 8, **config) -> list[Job]:
+    runner = make(model, EngineConfig(model="tiny", max_running=max_running, prefill_batch=min(4, max_running),
+                                      **config))
+    jobs = [Job(j.prompt, j.max_tokens, j.arrive, j.abort, j.stop, j.prefix) for j in jobs]
+    step, started = 0, set()
+    while any(j.ending is None for j in jobs):
+        for i, j in enumerate(jobs):
+            # the engine's scheduler admits no more than max_running; later arrivals wait for a row
+            if i not in started and j.arrive <= step and len(runner) < max_running:
+                started.add(i)
+                params = SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=True,
+                                        stop_token_ids=j.stop)
+                cache = prefix_cache(model, j.prompt[:j.prefix]) if j.prefix else None
+                runner.insert(str(i), j.prompt[j.prefix:], j.prompt[:j.prefix], cache,
+                              make_decoding(params, len(j.prompt), []), j.max_tokens)
+            if j.abort is not None and i in started and step >= j.abort and j.ending is None:
+                runner.remove(str(i))
+                j.ending = "abort"
+        _, generated = runner.step()
+        for g in generated:
+            j = jobs[int(g.request_id)]
+            j.tokens.append(g.token)
+            j.logprobs.append(g.logprobs[g.token].item())
+            if g.finish_reason:
+                j.ending = g.finish_reason
+                assert len(g.tokens) == g.cache[0].offset  # the cache covers exactly the tokens it names
+                assert g.tokens[:len(j.prompt)] == j.prompt
+        step += 1
+        assert step < 3000, "the runner stopped making progress"
+    return jobs
+
+
+def assert_same(ours: list[Job], reference: list[Job]) -> None:
+    for a, b in zip(ours, reference):
+        assert a.ending == b.ending
+        if b.ending == "abort":  # where an abort lands depends on each step's latency: a prefix of it
+            n = min(len(a.tokens), len(b.tokens))
+            assert a.tokens[:n] == b.tokens[:n]
+            continue
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def random_jobs(vocab: int, seed: int, n: int = 10, spread: int = 30) -> list[Job]:
+    rng = random.Random(seed)
+    return [Job([rng.randrange(1, vocab) for _ in range(rng.randrange(1, 300))], rng.randrange(1, 40),
+                rng.randrange(0, spread)) for _ in range(n)]
+
+
+def test_mixed_lengths_arriving_at_random_steps_match_batch_generator(model):
+    jobs = random_jobs(model.args.vocab_size, seed=0)
+    assert_same(drive(model, StepRunner, jobs), drive(model, Runner, jobs))
+
+
+def test_more_prompts_than_rows_wait_and_reuse_freed_rows(model):
+    jobs = random_jobs(model.args.vocab_size, seed=1, n=12, spread=3)
+    runner = StepRunner(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4))
+    ours = drive(model, lambda m, c: runner, jobs[:4])
+    size = runner.cache_nbytes()
+    ours += drive(model, lambda m, c: runner, jobs[4:8])  # a second wave into the freed rows
+    assert runner.cache_nbytes() == size and len(runner) == 0  # nothing grown, nothing left behind
+    assert_same(ours, drive(model, Runner, jobs[:4], max_running=4) + drive(model, Runner, jobs[4:8], max_running=4))
+
+
+def test_aborts_stop_tokens_and_cached_prefixes_match(model):
+    vocab = model.args.vocab_size
+    jobs = random_jobs(vocab, seed=2, n=8)
+    reference = drive(model, Runner, jobs)
+    jobs[1].abort = jobs[1].arrive + 4
+    jobs[2].stop = (reference[2].tokens[len(reference[2].tokens) // 2],)  # a token it will generate
+    jobs[3].prefix = len(jobs[3].prompt) - 1
+    jobs[4].prefix = len(jobs[4].prompt) // 2
+    assert_same(drive(model, StepRunner, jobs), drive(model, Runner, jobs))
+    ours = drive(model, StepRunner, jobs)
+    assert ours[2].ending == "stop" and ours[2].tokens[-1] in jobs[2].stop
+    assert ours[3].tokens == reference[3].tokens and ours[4].tokens == reference[4].tokens  # hit == cold
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), spread=st.integers(1, 40), rows=st.sampled_from([2, 3, 8]))
+def test_random_arrival_schedules_match(model, seed, spread, rows):
+    jobs = random_jobs(model.args.vocab_size, seed, n=6, spread=spread)
+    assert_same(drive(model, StepRunner, jobs, max_running=rows), drive(model, Runner, jobs, max_running=rows))
+
+
+def test_a_small_step_budget_feeds_long_prompts_in_chunks_beside_the_decodes(model):
+    jobs = [Job(list(range(1, 20)), 60), Job(list(range(5, 700)), 5, arrive=3)]
+    runner = StepRunner(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64,
+                                            prefill_chunk=512, max_decode_stall=None))
+    progress, decoded_while_prefilling = [], 0
+    step = 0
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    runner.insert("0", jobs[0].prompt, [], None, make_decoding(params, 19, []), 60)
+    while len(runner):
+        if step == 3:
+            runner.insert("1", jobs[1].prompt, [], None, make_decoding(params, 695, []), 5)
+        prompts, generated = runner.step()
+        progress += [p.done for p in prompts if p.request_id == "1"]
+        if any(p.request_id == "1" and not p.end_of_prompt for p in prompts):
+            decoded_while_prefilling += any(g.request_id == "0" for g in generated)
+        step += 1
+    # 64 tokens a step, one of them the running decode's: the 695-token prompt takes 11 chunks of 63
+    assert progress[:3] == [63, 126, 189] and progress[-1] == 695
+    assert decoded_while_prefilling >= 9  # the running request got a token in (nearly) every one of them
+
+
+def test_models_the_step_cannot_run_fall_back_once_with_a_log(model, hybrid_model_dir, caplog):
+    caplog.set_level(logging.WARNING, logger="pomona.engine")
+    config = EngineConfig(model="tiny", max_kv_size=64)
+    assert type(make_runner(model, config)) is Runner
+    assert type(make_runner(model, config)) is Runner
+    assert sum("max_kv_size" in r.message for r in caplog.records) == 1  # logged once
+    hybrid = mlx_lm.load(str(hybrid_model_dir("mamba2")))[0]
+    assert type(make_runner(hybrid, EngineConfig(model="h"))) is Runner
+    assert "ArraysCache" in caplog.text
+    assert type(make_runner(model, EngineConfig(model="tiny"))) is StepRunner
+    assert type(make_runner(model, EngineConfig(model="tiny", engine_step="mlx_lm"))) is Runner
+
+
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5),
+    dict(logit_bias=((5, 4.0), (7, -100.0))), dict(stop=("e",)), dict(logprobs=3),
+    dict(temperature=0.8, seed=11),
+], ids=["repetition", "penalties", "bias", "stop-string", "logprobs", "seeded"])
+def test_engine_features_give_the_same_text_on_both_steps(tiny_model_dir, params):
+    texts = {}
+    for step in ("pomona", "mlx_lm"):
+        engine = make_engine(tiny_model_dir, engine_step=step)
+        try:
+            async def batch():
+                reqs = [request(engine, p, max_tokens=24, **params) for p in ("hello world", "Paris is", "x y z")]
+                return [await collect(engine, r) for r in reqs]
+            results = run(batch())
+            texts[step] = [(text, [e.finish_reason for e in events][-1],
+                            [round(e.logprob.logprob, 4) if e.logprob else None for e in events])
+                           for text, events in results]
+        finally:
+            run(engine.shutdown())
+    assert texts["pomona"] == texts["mlx_lm"]
