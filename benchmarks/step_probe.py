@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 COUNTS: collections.Counter = collections.Counter()
+SIZES: list[int] = []  # adds taken per command batch, in order
 GEN: dict[str, float] = {}  # the running BatchGenerator's own counters (prompt_time, decode_time, ...)
 
 
@@ -55,6 +56,7 @@ def install_counters() -> None:
             COUNTS["command_batches"] += 1
             if COUNTS["cmd_add"] > adds:
                 COUNTS["add_batches"] += 1
+                SIZES.append(COUNTS["cmd_add"] - adds)
         return n
 
     def _handle(self: Any, engine: Any, kind: str, arg: Any) -> None:
@@ -76,7 +78,8 @@ def install_counters() -> None:
         return step
 
     def _stats(self: Any) -> dict[str, Any]:
-        return {**stats(self), "probe": {**COUNTS, **{f"gen_{k}": v for k, v in GEN.items()}}}
+        return {**stats(self), "probe": {**COUNTS, **{f"gen_{k}": v for k, v in GEN.items()}},
+                "probe_sizes": SIZES[-400:]}
 
     AsyncEngine._handle_commands, AsyncEngine._handle, AsyncEngine.stats = _handle_commands, _handle, _stats
     Runner.step = counted(Runner.step)
@@ -289,10 +292,13 @@ def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int 
             prompts = chat_prompts(tokenizer, [first_turn_messages(conv) for conv in convs])
             await asyncio.sleep(0.5)  # the worker's stats publish catches up (counters read from it)
             before = _counters_of(engine)
+            sizes0 = engine.stats().get("probe_sizes") or []
             profiler = Profiler(pid, out, variant, 2.0, profile_s) if i == profile_level else None
             r = await closed_loop(engine, prompts, suite.random.output_len, c, f"c{c}-{i}")
             await asyncio.sleep(0.5)
             after = _counters_of(engine)
+            sizes = engine.stats().get("probe_sizes") or []
+            sizes = sizes[len(sizes0):] if len(sizes) < 400 else sizes[-int(after.get("add_batches", 0) - before.get("add_batches", 0)):]
             d = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in after}
             s = r["engine_steps"] or {}
             steps = max(d.get("runner_steps", 0), 1)
@@ -307,6 +313,7 @@ def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int 
                   f"adds {d.get('cmd_add', 0)}, aborts {d.get('cmd_abort', 0)}, calls {d.get('cmd_call', 0)}, "
                   f"runner steps {d.get('runner_steps', 0)}, with prompt work {d.get('steps_with_prompts', 0)}, "
                   f"joining the batch {d.get('steps_joining_batch', 0)}", flush=True)
+            print(f"    adds per command batch, in order: {' '.join(map(str, sizes[:60]))}", flush=True)
             if profiler:
                 print("\n".join(profiler.report()), flush=True)
         await engine.shutdown(drain_s=0)

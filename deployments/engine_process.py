@@ -52,6 +52,7 @@ class EngineProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "deployments.engine_worker", path],
                                         env=env, stdin=subprocess.DEVNULL)
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[bytes] = []  # frames of this loop pass, written together (`_send`)
         self._streams: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -148,8 +149,30 @@ class EngineProcess:
             self._send(["abort", request_id])
 
     def _send(self, message: list[Any]) -> None:
+        """Frames sent in one pass of the event loop leave in one write, after it.
+
+        Requests that one step's endings set free (each client's next request; a closed loop's)
+        are sent in one pass, and should reach the MLX thread together, as they do with the
+        engine in process: mlx-lm's BatchGenerator lets prompts join the running batch in groups,
+        each group a prefill pass and a merge. Written frame by frame, they reached the worker
+        over several reads of its event loop, which waits for the GIL behind the MLX thread, and
+        a step boundary could fall between them: on the H200 at 128 concurrent (1B model) they
+        reached the MLX thread in twice as many command batches as in process, twice as many
+        prompt groups joined the batch, and a step took 1.7x as long
+        (benchmarks/results/accelerators-http-runs.md, session 14).
+        """
         assert self._writer is not None
-        self._writer.write(pack(message))
+        self._outbox.append(pack(message))
+        if len(self._outbox) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._flush)
+            except RuntimeError:  # no event loop running here: write now
+                self._flush()
+
+    def _flush(self) -> None:
+        data, self._outbox = b"".join(self._outbox), []
+        if data and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(data)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         """Dispatch the worker's frames until its socket ends; then fail whatever is still open."""
@@ -252,6 +275,7 @@ class EngineProcess:
             log.warning("engine process shutdown: %s", exc or type(exc).__name__)
         finally:
             if self._writer is not None:
+                self._flush()
                 self._writer.close()
             await asyncio.to_thread(self._reap)
             shutil.rmtree(self._dir, ignore_errors=True)
