@@ -23,7 +23,9 @@ from typing import Any, Sequence
 from benchmarks.client import percentile
 
 
-def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, prefix_cache: bool = True) -> Any:
+def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, prefix_cache: bool = True,
+                  overrides: dict[str, Any] | None = None) -> Any:
+    """serve_config.yaml's engine settings for `model_dir`; `overrides`: settings replaced (--engine K=V)."""
     import yaml
 
     from benchmarks.pomona_server import SERVE_CONFIG
@@ -40,6 +42,7 @@ def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, 
     if not prefix_cache:
         cache["enabled"] = False
     engine["cache"] = cache
+    engine.update(overrides or {})
     return EngineConfig.from_dict(engine)
 
 
@@ -125,7 +128,8 @@ def start_burners(n: int, cpus: set[int] | None = None) -> list[Any]:
 
 
 def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running: int | None,
-          ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True, process: bool = False) -> dict[str, Any]:
+          ssd: bool = True, jitter_s: float = 0.0, prefix_cache: bool = True, process: bool = False,
+          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """`process`: the engine in its own process (deployments/engine_process.py), as the server runs it."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -140,7 +144,7 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as ssd_dir:
         engine = (EngineProcess if process else AsyncEngine)(
-            engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache))
+            engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache, overrides))
 
         async def main() -> None:
             await engine.wait_ready()
@@ -163,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
 
+    import yaml
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir")
     p.add_argument("--quick", action="store_true")
@@ -181,13 +187,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cpus", default="",
                    help="the engine's CPUs, e.g. 0-1+8-9 (Linux): with --burn-cpus, whether a burner on the "
                         "MLX thread's SMT sibling is what slows it")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine setting to override (YAML value), e.g. engine_step=mlx_lm; repeatable")
     args = p.parse_args(argv)
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.engine)}
     if args.cpus:
         os.sched_setaffinity(0, cpu_list(args.cpus))
     burners = start_burners(args.burn, cpu_list(args.burn_cpus) or None)
     result = sweep(args.model_dir, args.quick, [int(c) for c in args.concurrency.split(",")], args.max_running,
                    ssd=not args.no_ssd, jitter_s=args.arrival_jitter_ms / 1000, prefix_cache=not args.no_cache,
-                   process=args.process)
+                   process=args.process, overrides=overrides)
     for b in burners:
         b.terminate()
     print(json.dumps(result), flush=True)

@@ -29,6 +29,8 @@ def counters(stats: Mapping[str, Any]) -> dict[str, float]:
     out = {"steps": float(stats.get("steps", 0)), "tokens": float(stats.get("generation_tokens_total", 0)),
            "prompt_tokens": float(stats.get("prompt_tokens_total", 0))}
     out.update({k: float(times.get(k, 0.0)) for k in KINDS})
+    runner = stats.get("runner") or {}  # the own step's (engine/step_runner.py) counters, in process only
+    out.update({f"runner_{k}": float(v) for k, v in runner.items() if isinstance(v, (int, float))})
     return out
 
 
@@ -68,4 +70,15 @@ def report(before: Mapping[str, float] | None, after: Mapping[str, float] | None
             "prompt_tokens_per_step": round(d["prompt_tokens"] / steps, 2),
             "deliver_ms_per_step": round(1000 * d["deliver"] / steps, 3),
             "commands_ms_per_step": round(1000 * d["commands"] / steps, 3),
-            "busy_share": round((d["step"] + d["deliver"] + d["commands"]) / wall_s, 3)}
+            "busy_share": round((d["step"] + d["deliver"] + d["commands"]) / wall_s, 3),
+            **_runner(d, after, steps)}
+
+
+def _runner(d: Mapping[str, float], after: Mapping[str, float], steps: float) -> dict[str, float]:
+    """The own step's split of a step: building it (host), waiting for its tokens, prompt tokens fed."""
+    if "runner_build_s" not in d:
+        return {}
+    return {"prefill_tokens_per_step": round(d["runner_prefill_tokens"] / steps, 2),
+            "build_ms_per_step": round(1000 * d["runner_build_s"] / steps, 3),
+            "wait_ms_per_step": round(1000 * d["runner_wait_s"] / steps, 3),
+            "shapes": after["runner_shapes"], "decode_only_step_ms": after.get("runner_decode_step_ms", 0.0)}

@@ -342,7 +342,7 @@ class Engine:
         """Counters and gauges for the loop to publish (read on the MLX thread, between steps)."""
         view = self.view()
         return {**self.stats.as_dict(), "waiting": len(self.scheduler), "running": view.running,
-                "prefilling": view.prefilling, "kv_bytes": self.runner.cache_nbytes(),
+                "prefilling": view.prefilling, "kv_bytes": self.runner.cache_nbytes(), "runner": self.runner.counters(),
                 "cache": self.store.stats()}
 
     def close(self) -> None:

@@ -217,6 +217,9 @@ class Runner:
     def cache_nbytes(self) -> int:
         return self._generator.prompt_cache_nbytes
 
+    def counters(self) -> dict[str, Any]:
+        return {"kind": "mlx_lm"}
+
     def close(self) -> None:
         self._generator.close()
 

@@ -128,6 +128,8 @@ class Batch:
                      <= positions[:, None, :, None])
         table_rows = mx.arange(self.count, dtype=mx.int32) if rows is None else mx.array(rows, dtype=mx.int32)
         self._table_rows = table_rows
+        # One row (every prefill on a CPU): a slice, written and read without scatter or gather.
+        self.single = (rows[0], starts[0]) if rows is not None and len(rows) == 1 else None
         self._positions = positions
         self._index: dict[int, tuple[mx.array, mx.array]] = {}
 
@@ -154,10 +156,16 @@ class RowsView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, kv = self.batch, self.batch.kv
         s = kv.shapes[self.layer]
-        rows, pos = b.index(s.kv_heads)
         n = b.tokens
-        kv.keys[self.layer][rows, pos] = keys.reshape(b.count * s.kv_heads, n, s.k_dim)
-        kv.values[self.layer][rows, pos] = values.reshape(b.count * s.kv_heads, n, s.v_dim)
+        if b.single is not None:
+            row, start = b.single
+            lo, hi = row * s.kv_heads, (row + 1) * s.kv_heads
+            kv.keys[self.layer][lo:hi, start:start + n] = keys.reshape(s.kv_heads, n, s.k_dim)
+            kv.values[self.layer][lo:hi, start:start + n] = values.reshape(s.kv_heads, n, s.v_dim)
+        else:
+            rows, pos = b.index(s.kv_heads)
+            kv.keys[self.layer][rows, pos] = keys.reshape(b.count * s.kv_heads, n, s.k_dim)
+            kv.values[self.layer][rows, pos] = values.reshape(b.count * s.kv_heads, n, s.v_dim)
         return self._fetch(kv.keys[self.layer], s.kv_heads, s.k_dim), \
             self._fetch(kv.values[self.layer], s.kv_heads, s.v_dim)
 
@@ -166,6 +174,8 @@ class RowsView:
         full = table.reshape(b.kv.rows, heads, b.kv.capacity, dim)
         if b.rows is None:
             return full[:b.count, :, :b.keys_len]
+        if b.single is not None:
+            return full[b.single[0]:b.single[0] + 1, :, :b.keys_len]
         return full[mx.array(b.rows, dtype=mx.int32), :, :b.keys_len]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:

@@ -104,8 +104,12 @@ class StepRunner:
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self._shapes = layer_shapes(model)
-        self._stall = StallBudget(config.max_decode_stall)
+        self._stall = StallBudget(config.decode_stall_bound(self._on_cpu))
         self._block = POSITION_BLOCK_CPU if self._on_cpu else POSITION_BLOCK_GPU
+        # For the step report: prompt tokens fed, host time building steps, time waiting for a
+        # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
+        self._counts = {"prefill_tokens": 0, "build_s": 0.0, "wait_s": 0.0}
+        self._shapes_seen: set[tuple[int, ...]] = set()
         self._new_table()
 
     def _new_table(self) -> None:
@@ -141,7 +145,7 @@ class StepRunner:
             raise ValueError("a request needs at least one prompt token to feed")
         row = self._table.acquire()
         try:
-            self._grow(row + 1, len(cached) + 1)
+            self._grow(row + 1, len(cached) + 2)
             if cache is not None and cached:
                 self._kv.write_prefix(row, cache, len(cached))
         except Exception:
@@ -190,14 +194,26 @@ class StepRunner:
     def cache_nbytes(self) -> int:
         return self._kv.nbytes()
 
+    def counters(self) -> dict[str, Any]:
+        decode_s = self._stall.decode_s  # moving average of steps that only decode: the steady decode rate
+        return {"kind": "pomona", **self._counts, "shapes": len(self._shapes_seen),
+                "decode_step_ms": round(1000 * decode_s, 3) if decode_s else 0.0}
+
     def close(self) -> None:
         self._slots.clear()
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         """Start this step, then read back the previous one (its tokens were computed meanwhile)."""
+        started = time.perf_counter()
         work = self._start()
-        generated = self._read(self._inflight)
+        built = time.perf_counter()
+        read = self._inflight
+        generated = self._read(read)
+        ended = time.perf_counter()
+        self._counts["build_s"] += built - started
+        self._counts["wait_s"] += ended - built
+        self._time(work, read, ended - started, ended)
         self._inflight = work
         return (work.progress if work else []), generated
 
@@ -213,6 +229,10 @@ class StepRunner:
             return None
         with mx.stream(self._stream):
             work = self._decode(decode) if decode else None
+            if work is not None and chunks:
+                # Started before the prefill forward is built: that forward writes the same layer
+                # arrays, in place only once nothing still reads the decode's views of them.
+                mx.async_eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
             if chunks:
                 pre = self._prefill([(self._slots[c.key], c.tokens) for c in chunks])
                 work = pre if work is None else _merge(work, pre)
@@ -220,41 +240,55 @@ class StepRunner:
         return work
 
     def _decode(self, decode: list[_Slot]) -> _Work:
-        self._grow(self._table.span, max(s.length for s in self._slots.values()) + 1)
+        self._grow(self._table.span, max(s.length for s in self._slots.values()) + 2)
         count = row_bucket(self._table.span, self._kv.rows, self._on_cpu)
-        starts = [0] * count
-        for s in self._slots.values():  # a row not decoding writes at its own end: harmless, overwritten later
-            if s.row < count:
-                starts[s.row] = s.length
-        batch = Batch(self._kv, starts, 1, None, round_up(max(starts) + 1, self._block))
+        # Rows that do not decode (free, prefilling, done) write their step's garbage at the table's
+        # last position, which no sequence reaches (`_grow` keeps one spare), and are left out of
+        # the key length, so a long prompt being fed does not lengthen every decode's attention.
+        scratch = self._kv.capacity - 1
+        starts = [scratch] * count
+        for s in decode:
+            starts[s.row] = s.length
+        batch = Batch(self._kv, starts, 1, None, round_up(max(s.length for s in decode) + 1, self._block))
+        self._shapes_seen.add((count, 1, batch.keys_len, self._kv.capacity))
         inputs = self._next_input[:count]
         logits = self._model(inputs[:, None], cache=batch.views())[:, -1, :]
-        logits = self._process(decode, logits, inputs)
+        rows = [s.row for s in decode]
+        logits = self._process(decode, rows, logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(decode, logprobs)
+        tokens = self._sample(decode, rows, logprobs)
         self._next_input[:count] = tokens
         for s in decode:
             s.length += 1
             s.sampled += 1
         return _Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
 
-    def _process(self, decode: list[_Slot], logits: mx.array, inputs: mx.array) -> mx.array:
-        """Each sequence's logits processors, with its tokens so far (the input of this step last)."""
-        with_processors = [s for s in decode if s.decoding.logits_processors]
-        if not with_processors:
+    @staticmethod
+    def _advance(chunks: list[tuple[_Slot, int]]) -> None:
+        """Account the prompt chunks a step has fed."""
+        for s, n in chunks:
+            s.known.extend(s.rest[s.fed:s.fed + n])
+            s.fed += n
+            s.length += n
+
+    def _process(self, decode: list[_Slot], index: list[int], logits: mx.array, inputs: mx.array) -> mx.array:
+        """Each sequence's logits processors (its row of `logits` at `index`), with its tokens so far
+        (the input of this step last)."""
+        if not any(s.decoding.logits_processors for s in decode):
             return logits
         rows = [logits[i:i + 1] for i in range(logits.shape[0])]
-        for s in with_processors:
-            s.context = mx.concatenate([s.context, inputs[s.row:s.row + 1]])
-            for process in s.decoding.logits_processors:
-                rows[s.row] = process(s.context, rows[s.row])
+        for s, i in zip(decode, index):
+            if s.decoding.logits_processors:
+                s.context = mx.concatenate([s.context, inputs[i:i + 1]])
+                for process in s.decoding.logits_processors:
+                    rows[i] = process(s.context, rows[i])
         return mx.concatenate(rows, axis=0)
 
-    def _sample(self, decode: list[_Slot], logprobs: mx.array) -> mx.array:
+    def _sample(self, decode: list[_Slot], index: list[int], logprobs: mx.array) -> mx.array:
         """One call per distinct sampler (one for the whole batch in the common case)."""
         groups: dict[int, tuple[Sampler, list[int]]] = {}
-        for s in decode:
-            groups.setdefault(id(s.decoding.sampler), (s.decoding.sampler, []))[1].append(s.row)
+        for s, i in zip(decode, index):
+            groups.setdefault(id(s.decoding.sampler), (s.decoding.sampler, []))[1].append(i)
         count = logprobs.shape[0]
         if len(groups) == 1:
             sampler, rows = next(iter(groups.values()))
@@ -276,8 +310,7 @@ class StepRunner:
         outputs, firsts, logprobs, progress = [], [], [], []
         for group in groups:
             ending = self._prefill_group(group)
-            for slot, _ in group:
-                progress.append(PromptProgress(slot.request_id, slot.fed, len(slot.rest), not slot.prefilling))
+            progress += [PromptProgress(s.request_id, s.fed, len(s.rest), not s.prefilling) for s, _ in group]
             for slot, (token, lp) in ending:
                 outputs.append((slot, len(firsts)))
                 firsts.append(token)
@@ -290,39 +323,44 @@ class StepRunner:
 
     def _prefill_group(self, group: list[tuple[_Slot, int]]) -> list[tuple[_Slot, tuple[mx.array, mx.array]]]:
         width = max(n for _, n in group)
-        self._grow(self._table.span, max(s.length for s, _ in group) + width)
+        self._grow(self._table.span, max(s.length for s, _ in group) + width + 1)
         inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
         starts = [s.length for s, _ in group]
         keys_len = round_up(max(a + width for a in starts), self._block)
         batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len)
+        self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
+        self._counts["prefill_tokens"] += sum(n for _, n in group)
         ending = [(i, s, n) for i, (s, n) in enumerate(group) if s.fed + n == len(s.rest)]
         logits = logits_at(self._model, inputs, batch.views(), [(i, n - 1) for i, _, n in ending])
-        for s, n in group:
-            s.known.extend(s.rest[s.fed:s.fed + n])
-            s.fed += n
-            s.length += n
-        out = []
-        for j, (_, s, _) in enumerate(ending):
-            row = logits[j:j + 1]
-            if s.decoding.logits_processors:
-                s.context = mx.array(s.known, dtype=mx.int32)
-                for process in s.decoding.logits_processors:
-                    row = process(s.context, row)
-            lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
-            out.append((s, (s.decoding.sampler(lp).astype(mx.int32).reshape(1), lp)))
-            s.sampled = 1
-        return out
+        self._advance(group)
+        return [(s, self._first_token(s, logits[j:j + 1])) for j, (_, s, _) in enumerate(ending)]
+
+    def _first_token(self, s: _Slot, row: mx.array) -> tuple[mx.array, mx.array]:
+        """Sample a prompt's first output token from its last position's logits (1, vocab), after
+        its processors, with the whole prompt as their context."""
+        if s.decoding.logits_processors:
+            s.context = mx.array(s.known, dtype=mx.int32)
+            for process in s.decoding.logits_processors:
+                row = process(s.context, row)
+        lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        s.sampled = 1
+        return s.decoding.sampler(lp).astype(mx.int32).reshape(1), lp
+
+    def _time(self, built: _Work | None, read: _Work | None, call_s: float, ended: float) -> None:
+        """Feed the stall budget a step's time. On a CPU the forward runs while it is built (the CPU
+        fast paths evaluate as they go), so a call's time is the step it built; on a GPU the time
+        between two read-backs is the step read."""
+        if self._on_cpu and built is not None:
+            self._stall.record(call_s, built.prefill_tokens, built.decoding)
+        elif not self._on_cpu and read is not None and self._last_read is not None:
+            self._stall.record(ended - self._last_read, read.prefill_tokens, read.decoding)
+        self._last_read = ended if read is not None else None
 
     # -- reading back -------------------------------------------------------------------------
     def _read(self, work: _Work | None) -> list[Generated]:
-        now = time.perf_counter()
         if work is None:
-            self._last_read = None
             return []
-        if self._last_read is not None:
-            self._stall.record(now - self._last_read, work.prefill_tokens, work.decoding)
         tokens = work.tokens.tolist()
-        self._last_read = time.perf_counter()
         out = []
         for slot, i in work.outputs:
             if self._slots.get(slot.request_id) is slot:  # else finished or removed since
