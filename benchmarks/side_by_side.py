@@ -39,7 +39,8 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # "pomona-throughput", Pomona on Ray Serve's throughput-optimized mode with its HTTP proxy kept, and
 # "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream), and
 # "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false), and
-# "pomona-inproc", Pomona with the engine inside the replica's process (engine_process: false).
+# "pomona-inproc", Pomona with the engine inside the replica's process (engine_process: false), and
+# "pomona-mlxlm", Pomona on mlx-lm's BatchGenerator instead of its own engine step (engine_step: mlx_lm).
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
@@ -48,12 +49,15 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
     """`max_batch`: sequences decoding together (Pomona's engine.max_running, mlx_lm.server's
     --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
-    if name in ("pomona", "pomona-unpaced", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc"):
+    if name in ("pomona", "pomona-unpaced", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
+                "pomona-mlxlm"):
         app_args = {"pomona-unpaced": {"stream_items_per_s": 0}, "pomona-nochannel": {"step_channel": False},
                     "pomona-inproc": {"engine_process": False}}
         engine = {"max_running": max_batch} if max_batch else {}
         if name == "pomona-nofast":
             engine["cpu_fast_paths"] = False
+        if name == "pomona-mlxlm":
+            engine["engine_step"] = "mlx_lm"
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine or None,
                              app_args=app_args.get(name), name=name,
                              env=THROUGHPUT_ENV if name == "pomona-throughput" else None)

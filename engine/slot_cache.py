@@ -58,8 +58,10 @@ class SlotKV:
         """Grow to at least `rows` rows (to the next power of two) and `positions` positions (to
         the next block); a growth copies every layer once, so it happens in large steps."""
         rows = max(self.rows, 1 << max(rows - 1, 0).bit_length()) if rows > self.rows else self.rows
-        capacity = max(self.capacity, round_up(positions, self.block)) if positions > self.capacity \
-            else self.capacity
+        # Positions grow by half again at least: every growth copies the whole table, so a batch
+        # decoding past its capacity must not pay that every block.
+        capacity = round_up(max(positions, self.capacity + self.capacity // 2), self.block) \
+            if positions > self.capacity else self.capacity
         if (rows, capacity) == (self.rows, self.capacity):
             return
         keys, values = [], []
