@@ -23,11 +23,14 @@ class EngineConfig:
     # (mlx-lm's BatchGenerator, the reference), logged once.
     engine_step: str = "pomona"
     # The own step keeps a step that also feeds prompt chunks within this many times a plain decode
-    # step (measured as it runs); null: only max_batch_tokens and prefill_chunk bound the chunks.
-    # "auto": 1.5 on GPUs; null on the CPU backend, where a prompt chunk's forward alone costs about
-    # a decode step (one more pass over the weights), so a tight bound would feed a long prompt in
-    # tiny chunks and make its first token wait many steps (benchmarks/decode_stall.py).
-    max_decode_stall: float | str | None = "auto"
+    # step, pricing prompt tokens from the step times measured so far; null (the default): only
+    # max_batch_tokens and prefill_chunk bound the chunks. Off by default because a step's cost is
+    # mostly per forward, not per token, on both backends here: on a CPU a chunk's forward alone costs
+    # about a decode step (one more pass over the weights), and on MLX's CUDA backend a step is bound
+    # by the host building it, so the per-token price came out high, the chunks were cut to 16
+    # tokens and the batch never filled (1B, 128 concurrent: 442 tok/s against BatchGenerator's
+    # 3,608; benchmarks/results/accelerators-engine-runs.md, session 14).
+    max_decode_stall: float | None = None
     max_waiting: int = 256  # bounded waiting queue; past it requests are refused as overloaded
     # Token budget: of prompts admitted into prefill at once, and (own step) of one step's tokens,
     # one per decoding sequence plus the prompt chunks fed beside them.
@@ -71,9 +74,9 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.engine_step not in ("pomona", "mlx_lm"):
             raise ValueError('engine.engine_step must be "pomona" or "mlx_lm"')
-        if self.max_decode_stall not in (None, "auto") and (
+        if self.max_decode_stall is not None and (
                 not isinstance(self.max_decode_stall, (int, float)) or self.max_decode_stall <= 1.0):
-            raise ValueError('engine.max_decode_stall must be a number > 1, "auto" or null')
+            raise ValueError("engine.max_decode_stall must be a number > 1 or null")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError("engine.checkpoint_every must be >= 1 or null")
         if self.prefill_batch > self.max_running:
@@ -88,11 +91,6 @@ class EngineConfig:
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
-
-    def decode_stall_bound(self, on_cpu: bool) -> float | None:
-        if self.max_decode_stall == "auto":
-            return None if on_cpu else 1.5
-        return self.max_decode_stall
 
     def direct_first_token_limit(self, on_cpu: bool) -> int:
         """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""

@@ -104,7 +104,7 @@ class StepRunner:
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self._shapes = layer_shapes(model)
-        self._stall = StallBudget(config.decode_stall_bound(self._on_cpu))
+        self._stall = StallBudget(config.max_decode_stall)
         self._block = POSITION_BLOCK_CPU if self._on_cpu else POSITION_BLOCK_GPU
         # For the step report: prompt tokens fed, host time building steps, time waiting for a
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
