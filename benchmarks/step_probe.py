@@ -7,7 +7,7 @@
 level, no SSD tier; one line per level: tok/s, ms per step, the MLX thread's CPU per step, tokens
 per step, and the probe's counters, which both processes keep the same way: commands taken per
 batch, runner steps that carried prompt work, and mlx-lm's own prompt/decode time
-(`BatchGenerator._counters`). At `--profile-level`, `py-spy record --nonblocking` samples the
+(`BatchGenerator.stats()` windows around each step). At `--profile-level`, `py-spy record --nonblocking` samples the
 engine's process (this one, or the worker) twice for `--profile-s`: every sample (`--idle`), then
 the GIL holder's only (`--idle --gil`); raw stacks to DIR/<variant>-all.raw and -gil.raw, and a
 summary of the MLX thread's samples (top inclusive frames) plus each thread's CPU over the level.
@@ -65,15 +65,20 @@ def install_counters() -> None:
 
     def counted(runner_step: Any) -> Any:
         def step(self: Any) -> Any:
-            prompts, generated = runner_step(self)
+            generator = getattr(self, "_generator", None)  # mlx-lm's BatchGenerator (engine_step: mlx_lm)
+            if generator is None:
+                prompts, generated = runner_step(self)
+            else:  # its public stats() window around the step: prompt and decode time
+                with generator.stats() as window:
+                    prompts, generated = runner_step(self)
+                for k, v in asdict(window).items():
+                    if k != "peak_memory" and isinstance(v, (int, float)):
+                        GEN[k] = GEN.get(k, 0) + v
             COUNTS["runner_steps"] += 1
             if prompts:
                 COUNTS["steps_with_prompts"] += 1
             if any(p.end_of_prompt for p in prompts):
                 COUNTS["steps_joining_batch"] += 1
-            if hasattr(self, "_generator"):  # mlx-lm's BatchGenerator (engine_step: mlx_lm)
-                GEN.update({k: v for k, v in asdict(self._generator._counters).items()
-                            if isinstance(v, (int, float))})
             return prompts, generated
         return step
 
@@ -241,24 +246,11 @@ def _counters_of(engine: Any) -> dict[str, float]:
     return dict(engine.stats().get("probe") or {})
 
 
-def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int | None, profile_s: int,
-        out: Path, waves: int, profile_waves: int, wire: bool = False, engine_step: str = "") -> None:
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from benchmarks.bare_loop import chat_prompts
-    from benchmarks.engine_loop import closed_loop, engine_config
-    from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite
+def _make_engine(config: Any, variant: str, wire: bool) -> tuple[Any, str]:
+    """The engine of a variant: "process" spawns the probe's worker in the product's place."""
     from deployments.engine_process import EngineProcess
     from engine.loop import AsyncEngine
 
-    suite = replace(full_suite(), sweep_waves=waves)
-    maker = TextMaker(model_dir)
-    tokenizer = load_tokenizer(Path(model_dir))
-    config = engine_config(model_dir, 128, None)
-    if engine_step:
-        config = replace(config, engine_step=engine_step)
-    print(f"[{variant}] engine_step: {getattr(config, 'engine_step', 'mlx_lm (no choice at this commit)')}",
-          flush=True)
     if variant == "process":
         popen = subprocess.Popen
 
@@ -268,15 +260,52 @@ def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int 
 
         subprocess.Popen = spawn  # type: ignore[misc]
         try:
-            engine: Any = EngineProcess(config)
+            return EngineProcess(config), variant
         finally:
             subprocess.Popen = popen  # type: ignore[misc]
-    else:
-        install_counters()
-        engine = AsyncEngine(config)
-        if wire:
-            engine = WireEngine(engine)
-            variant = f"{variant}-wire"
+    install_counters()
+    engine: Any = AsyncEngine(config)
+    if wire:
+        return WireEngine(engine), f"{variant}-wire"
+    return engine, variant
+
+
+def _report_level(variant: str, i: int, c: int, profiled: bool, r: dict[str, Any], before: dict[str, float],
+                  after: dict[str, float], sizes: list[int]) -> None:
+    d = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in after}
+    s = r["engine_steps"] or {}
+    steps = max(d.get("runner_steps", 0), 1)
+    print(f"[{variant}] level {i} c={c}{' (profiled)' if profiled else ''}: {r['output_throughput']:.0f} tok/s, "
+          f"{s.get('ms_per_step')} ms/step, cpu {s.get('step_cpu_ms')}, tokens/step {s.get('tokens_per_step')}, "
+          f"prompt tokens/step {s.get('prompt_tokens_per_step')}, deliver {s.get('deliver_ms_per_step')} ms, "
+          f"commands {s.get('commands_ms_per_step')} ms, busy {s.get('busy_share')}, {r['duration_s']:.1f} s",
+          flush=True)
+    print(f"    per runner step: prompt_time {1000 * d.get('gen_prompt_time', 0) / steps:.2f} ms, "
+          f"decode_time {1000 * d.get('gen_decode_time', 0) / steps:.2f} ms; "
+          f"command batches {d.get('command_batches', 0)}, add batches {d.get('add_batches', 0)}, "
+          f"adds {d.get('cmd_add', 0)}, aborts {d.get('cmd_abort', 0)}, calls {d.get('cmd_call', 0)}, "
+          f"runner steps {d.get('runner_steps', 0)}, with prompt work {d.get('steps_with_prompts', 0)}, "
+          f"joining the batch {d.get('steps_joining_batch', 0)}", flush=True)
+    print(f"    adds per command batch, in order: {' '.join(map(str, sizes[:60]))}", flush=True)
+
+
+def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int | None, profile_s: int,
+        out: Path, waves: int, profile_waves: int, wire: bool = False, engine_step: str = "") -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from benchmarks.bare_loop import chat_prompts
+    from benchmarks.engine_loop import closed_loop, engine_config
+    from benchmarks.workloads import TextMaker, build, first_turn_messages, full_suite
+
+    suite = replace(full_suite(), sweep_waves=waves)
+    maker = TextMaker(model_dir)
+    tokenizer = load_tokenizer(Path(model_dir))
+    config = engine_config(model_dir, 128, None)
+    if engine_step:
+        config = replace(config, engine_step=engine_step)
+    print(f"[{variant}] engine_step: {getattr(config, 'engine_step', 'mlx_lm (no choice at this commit)')}",
+          flush=True)
+    engine, variant = _make_engine(config, variant, wire)
 
     async def main() -> None:
         await engine.wait_ready()
@@ -299,21 +328,7 @@ def run(model_dir: str, variant: str, levels: Sequence[int], profile_level: int 
             after = _counters_of(engine)
             sizes = engine.stats().get("probe_sizes") or []
             sizes = sizes[len(sizes0):] if len(sizes) < 400 else sizes[-int(after.get("add_batches", 0) - before.get("add_batches", 0)):]
-            d = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in after}
-            s = r["engine_steps"] or {}
-            steps = max(d.get("runner_steps", 0), 1)
-            print(f"[{variant}] level {i} c={c}{' (profiled)' if profiler else ''}: {r['output_throughput']:.0f} tok/s, "
-                  f"{s.get('ms_per_step')} ms/step, cpu {s.get('step_cpu_ms')}, tokens/step {s.get('tokens_per_step')}, "
-                  f"prompt tokens/step {s.get('prompt_tokens_per_step')}, deliver {s.get('deliver_ms_per_step')} ms, "
-                  f"commands {s.get('commands_ms_per_step')} ms, busy {s.get('busy_share')}, {r['duration_s']:.1f} s",
-                  flush=True)
-            print(f"    per runner step: prompt_time {1000 * d.get('gen_prompt_time', 0) / steps:.2f} ms, "
-                  f"decode_time {1000 * d.get('gen_decode_time', 0) / steps:.2f} ms; "
-                  f"command batches {d.get('command_batches', 0)}, add batches {d.get('add_batches', 0)}, "
-                  f"adds {d.get('cmd_add', 0)}, aborts {d.get('cmd_abort', 0)}, calls {d.get('cmd_call', 0)}, "
-                  f"runner steps {d.get('runner_steps', 0)}, with prompt work {d.get('steps_with_prompts', 0)}, "
-                  f"joining the batch {d.get('steps_joining_batch', 0)}", flush=True)
-            print(f"    adds per command batch, in order: {' '.join(map(str, sizes[:60]))}", flush=True)
+            _report_level(variant, i, c, profiler is not None, r, before, after, sizes)
             if profiler:
                 print("\n".join(profiler.report()), flush=True)
         await engine.shutdown(drain_s=0)
