@@ -26,6 +26,7 @@ from engine.types import Request
 
 log = logging.getLogger("pomona.engine_worker")
 
+STOP_TIMEOUT_S = 10.0  # how long a shutdown waits for the last events to be queued
 STATS_EVERY_S = 0.1  # the replica's stats() (metrics, routing load) are at most this stale
 CALLS = frozenset({"held_prefixes", "requests_status", "cache_stats", "clear_cache", "flush_cache",
                    "deep_reset", "ping", "shutdown"})
@@ -89,10 +90,24 @@ class Worker:
             if name not in CALLS:
                 raise ValueError(f"unknown engine call {name!r}")
             result = await getattr(self.engine, name)(*args)
+            if name == "shutdown":
+                await self.settle()
         except Exception as exc:
             self.send(["reply", call_id, False, [*refusal_to_wire(exc)]])
         else:
+            self.flush()  # events produced before the reply reach the replica before it
             self.send(["reply", call_id, True, result])
+
+    async def settle(self) -> None:
+        """Wait for every request's last events to reach the outbox.
+
+        The engine's shutdown returns once its thread has handed the final (abort) events to the
+        streams, but each stream's task has yet to run and queue them: a reply sent first lets the
+        replica close the socket with those events unsent, and its open requests then end with an
+        error instead of the "shutdown" abort (seen once in CI).
+        """
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=STOP_TIMEOUT_S)
 
     async def publish_stats(self) -> None:
         last = None

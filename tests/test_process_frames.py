@@ -59,3 +59,54 @@ def test_outside_an_event_loop_a_frame_leaves_at_once_and_a_closed_socket_takes_
     writer.closing = True
     engine._send(["abort", "r1"])
     assert writer.writes == [pack(["abort", "r0"])] and engine._outbox == []
+
+
+class LateStreams:
+    """A real AsyncEngine whose streams hand over their last batch a little late: the scheduling
+    that let a reply overtake the final events (CI, session 15) made reproducible."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def stream(self, request):
+        async for batch in self.engine.stream(request):
+            if batch and batch[-1].finished:
+                await asyncio.sleep(0.05)
+            yield batch
+
+    async def shutdown(self, drain_s: float = 0.0) -> None:
+        await self.engine.shutdown(drain_s)
+
+
+def test_the_shutdown_reply_follows_the_last_events(tiny_model_dir):
+    from cache_tiers.config import CacheConfig
+    from deployments.engine_ipc import receive
+    from deployments.engine_worker import Worker
+    from engine.config import EngineConfig
+    from engine.loop import AsyncEngine
+
+    async def frames_read_back(writes: list[bytes]) -> list[list]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(writes))
+        reader.feed_eof()
+        out = []
+        while (frame := await receive(reader)) is not None:
+            out.append(frame)
+        return out
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), cache=CacheConfig(enabled=False)))
+        await engine.wait_ready()
+        writer = RecordingWriter()
+        worker = Worker(LateStreams(engine), writer)  # type: ignore[arg-type]
+        worker.handle(["add", "long", list(range(7, 17)), {"max_tokens": 2000, "ignore_eos": True}, 0])
+        while not writer.writes:
+            await asyncio.sleep(0.01)
+        await worker.call(1, "shutdown", [0.0])
+        frames = await frames_read_back(writer.writes)
+        kinds = [f[0] for f in frames]
+        assert kinds[-1] == "reply" and frames[-1][2] is True
+        last = [w for f in frames if f[0] == "events" for w in f[1].get("long", [])][-1]
+        assert (last["finish"], last["code"]) == ("abort", "shutdown")
+
+    asyncio.run(main())
