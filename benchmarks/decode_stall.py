@@ -2,11 +2,13 @@
 admitted, over a plain decode step, for each engine step side by side (engine in process, no HTTP).
 
     python -m benchmarks.decode_stall [MODEL_DIR] [--running 7] [--prompt 1000] [--rounds 2]
+        [--steps mlx_lm,pomona,pomona:max_decode_stall=1.5]
 
 `running` requests decode (short prompts, long outputs); once they are steady, gaps are recorded
 for a while (the plain step: their median), then a `prompt`-token prompt arrives and gaps are
 recorded until its first token (the stall: their maximum). Each engine step is measured `rounds`
-times, taking turns (mlx_lm, pomona, mlx_lm, ...), since this box drifts. The long prompt's time
+times, taking turns (mlx_lm, pomona, mlx_lm, ...), since this box drifts; a step may carry engine
+settings (`pomona:max_decode_stall=1.5`, several joined by `;`). The long prompt's time
 to first token is reported beside it: feeding a prompt in chunks beside the decodes trades some of
 it for the running requests' smoothness.
 """
@@ -21,6 +23,15 @@ import time
 from typing import Any, Sequence
 
 STEPS = ("mlx_lm", "pomona")
+
+
+def step_settings(step: str) -> dict[str, Any]:
+    """"pomona:max_decode_stall=1.5;prefill_chunk=128" as engine settings."""
+    import yaml
+
+    name, _, rest = step.partition(":")
+    settings = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in rest.split(";") if item)}
+    return {"engine_step": name, **settings}
 
 
 async def _decode(engine: Any, rid: str, prompt: list[int], arrivals: list[float], max_tokens: int) -> None:
@@ -77,7 +88,7 @@ async def measure(model_dir: str, step: str, running: int, prompt_len: int, seed
     from benchmarks.engine_loop import engine_config
     from engine.loop import AsyncEngine
 
-    config = engine_config(model_dir, max(running + 1, 8), None, prefix_cache=False, overrides={"engine_step": step})
+    config = engine_config(model_dir, max(running + 1, 8), None, prefix_cache=False, overrides=step_settings(step))
     engine = AsyncEngine(config)
     await engine.wait_ready()
     try:
@@ -88,10 +99,11 @@ async def measure(model_dir: str, step: str, running: int, prompt_len: int, seed
         await engine.shutdown(drain_s=0)
 
 
-def run(model_dir: str, running: int, prompt_len: int, rounds: int) -> dict[str, Any]:
-    results: dict[str, list[dict[str, float]]] = {s: [] for s in STEPS}
+def run(model_dir: str, running: int, prompt_len: int, rounds: int,
+        steps: Sequence[str] = STEPS) -> dict[str, Any]:
+    results: dict[str, list[dict[str, float]]] = {s: [] for s in steps}
     for r in range(rounds):
-        for step in (STEPS if r % 2 == 0 else STEPS[::-1]):
+        for step in (steps if r % 2 == 0 else steps[::-1]):
             results[step].append(asyncio.run(measure(model_dir, step, running, prompt_len, seed=r)))
             print(step, json.dumps({k: round(v, 2) for k, v in results[step][-1].items()}), flush=True)
     summary = {s: {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]} for s, rs in results.items()}
@@ -108,8 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--running", type=int, default=7)
     p.add_argument("--prompt", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", default=",".join(STEPS), help="engine steps to compare, with settings after a colon")
     args = p.parse_args(argv)
-    out = run(str(args.model_dir or benchmark_model_dir()), args.running, args.prompt, args.rounds)
+    out = run(str(args.model_dir or benchmark_model_dir()), args.running, args.prompt, args.rounds,
+              args.steps.split(","))
     for step, m in out["median"].items():
         print(f"{step}: plain step {m['plain_step_ms']:.1f} ms, slowest gap while a {args.prompt}-token prompt "
               f"is admitted {m['max_gap_ms']:.1f} ms = {m['stall_ratio']:.2f}x, its TTFT {m['long_ttft_ms']:.0f} ms")

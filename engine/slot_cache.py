@@ -156,6 +156,11 @@ class RowsView:
         self.offset = batch.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.update(keys, values)
+        return self.fetch()
+
+    def update(self, keys: mx.array, values: mx.array) -> None:
+        """Write this forward's new keys and values (rows, heads, tokens, dim) into the table."""
         b, kv = self.batch, self.batch.kv
         s = kv.shapes[self.layer]
         n = b.tokens
@@ -168,6 +173,10 @@ class RowsView:
             rows, pos = b.index(s.kv_heads)
             kv.keys[self.layer][rows, pos] = keys.reshape(b.count * s.kv_heads, n, s.k_dim)
             kv.values[self.layer][rows, pos] = values.reshape(b.count * s.kv_heads, n, s.v_dim)
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """These rows' keys and values, (rows, heads, keys_len, dim), as the table holds them now."""
+        kv, s = self.batch.kv, self.batch.kv.shapes[self.layer]
         return self._fetch(kv.keys[self.layer], s.kv_heads, s.k_dim), \
             self._fetch(kv.values[self.layer], s.kv_heads, s.v_dim)
 
@@ -188,3 +197,32 @@ class RowsView:
     @property
     def state(self) -> Any:  # mlx-lm's helpers may look; the table is not a per-layer cache
         raise NotImplementedError("a RowsView has no state of its own")
+
+
+class FlatView:
+    """A layer's cache for a flat forward: one step's batches (the decode rows, then each prompt
+    chunk) fed as one sequence of tokens, in this order. Attention that knows `parts`
+    (modelio/cpu_llama.py's `CpuAttention`) splits its tokens by them; the mask is each part's."""
+
+    def __init__(self, batches: list[Batch], layer: int) -> None:
+        self.parts = [(RowsView(b, layer), b.count, b.tokens) for b in batches]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> None:
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported by the slot step")
+        return None  # each part brings its own
+
+    @property
+    def state(self) -> Any:
+        raise NotImplementedError("a FlatView has no state of its own")
+
+
+def flat_views(batches: list[Batch]) -> list[FlatView]:
+    """Per layer, the views of a flat forward over `batches` (all on the same table)."""
+    return [FlatView(batches, i) for i in range(len(batches[0].kv.shapes))]
+
+
+def supports_flat(model: Any) -> bool:
+    """Whether every layer's attention takes a flat forward (the CPU fast-path llama blocks)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return bool(layers) and all(hasattr(getattr(l, "self_attn", None), "flat_attention") for l in layers)

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
 
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress, Runner, logits_at
-from engine.sampling import Decoding, Sampler
-from engine.slot_cache import Batch, SlotKV, layer_shapes
-from engine.slots import (POSITION_BLOCK_CPU, POSITION_BLOCK_GPU, Chunk, SlotTable, StallBudget, plan_prefill,
-                          round_up, row_bucket)
+from engine.sampling import Decoding
+from engine.slot_cache import Batch, SlotKV, flat_views, layer_shapes, supports_flat
+from engine.step_state import Slot, Work, merge
+from engine.step_sampling import first_token, process_logits, sample
+from engine.slots import (MIN_PREFILL_TOKENS, POSITION_BLOCK_CPU, POSITION_BLOCK_GPU, SlotTable, StallBudget,
+                          plan_prefill, round_up, row_bucket)
 
 log = logging.getLogger("pomona.engine")
 _told: set[str] = set()  # fallback reasons already logged
@@ -64,38 +64,6 @@ def unsupported(model: Any, config: EngineConfig) -> str | None:
     return None
 
 
-@dataclass(eq=False)
-class _Slot:
-    request_id: str
-    row: int
-    decoding: Decoding
-    matcher: Any
-    max_tokens: int
-    rest: list[int]  # the prompt tokens to feed (the uncached rest)
-    known: list[int]  # token values known here: cached prefix, prompt fed, outputs read back
-    length: int  # KV positions written, in-flight steps included
-    fed: int = 0  # of `rest`
-    sampled: int = 0  # output tokens sampled, in-flight ones included
-    generated: int = 0  # output tokens read back
-    context: mx.array | None = None  # prompt + outputs, for logits processors
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.rest)
-
-
-@dataclass
-class _Work:
-    """One started step: what to read back from it next step."""
-
-    outputs: list[tuple[_Slot, int]]  # (slot, index into tokens/logprobs)
-    tokens: mx.array
-    logprobs: mx.array  # (len(tokens), vocab)
-    decoding: int
-    prefill_tokens: int
-    progress: list[PromptProgress] = field(default_factory=list)
-
-
 class StepRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         self._model = model
@@ -106,9 +74,10 @@ class StepRunner:
         self._shapes = layer_shapes(model)
         self._stall = StallBudget(config.max_decode_stall)
         self._block = POSITION_BLOCK_CPU if self._on_cpu else POSITION_BLOCK_GPU
+        self._flat = self._on_cpu and supports_flat(model)  # decode and prompt chunks in one forward
         # For the step report: prompt tokens fed, host time building steps, time waiting for a
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
-        self._counts = {"prefill_tokens": 0, "build_s": 0.0, "wait_s": 0.0}
+        self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0}
         self._shapes_seen: set[tuple[int, ...]] = set()
         self._new_table()
 
@@ -116,8 +85,8 @@ class StepRunner:
         self._table = SlotTable(self._config.max_running)
         self._kv = SlotKV(self._shapes, self._block)
         self._next_input = mx.zeros((0,), mx.int32)  # per row: the token it feeds next, on the device
-        self._slots: dict[str, _Slot] = {}  # in admission order
-        self._inflight: _Work | None = None
+        self._slots: dict[str, Slot] = {}  # in admission order
+        self._inflight: Work | None = None
         self._last_read: float | None = None
 
     def __len__(self) -> int:
@@ -145,13 +114,15 @@ class StepRunner:
             raise ValueError("a request needs at least one prompt token to feed")
         row = self._table.acquire()
         try:
-            self._grow(row + 1, len(cached) + 2)
+            # The whole prompt's positions now: growing the table copies every row, and a copy per
+            # chunk as a long prompt is fed would stall the running decodes again and again.
+            self._grow(row + 1, len(cached) + len(tokens) + 2)
             if cache is not None and cached:
                 self._kv.write_prefix(row, cache, len(cached))
         except Exception:
             self._table.release(row)
             raise
-        self._slots[request_id] = _Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
+        self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
                                         list(tokens), list(cached), len(cached))
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
@@ -217,29 +188,39 @@ class StepRunner:
         self._inflight = work
         return (work.progress if work else []), generated
 
-    def _start(self) -> _Work | None:
+    def _start(self) -> Work | None:
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
         waiting = [(s.request_id, len(s.rest) - s.fed) for s in self._slots.values() if s.prefilling]
         stall = self._stall.tokens(len(decode))
         if stall is None and decode and self._stall.ratio is not None:
-            stall = self._config.prefill_chunk  # not measured yet: a cautious chunk
+            stall = MIN_PREFILL_TOKENS  # not measured yet: the smallest chunk
         chunks = plan_prefill(len(decode), waiting, self._config.max_batch_tokens, stall,
                               self._config.prefill_chunk) if waiting else []
         if not decode and not chunks:
             return None
         with mx.stream(self._stream):
-            work = self._decode(decode) if decode else None
-            if work is not None and chunks:
-                # Started before the prefill forward is built: that forward writes the same layer
-                # arrays, in place only once nothing still reads the decode's views of them.
-                mx.async_eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
-            if chunks:
-                pre = self._prefill([(self._slots[c.key], c.tokens) for c in chunks])
-                work = pre if work is None else _merge(work, pre)
+            if chunks and self._flat:
+                work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks])
+            else:
+                work = self._decode(decode) if decode else None
+                if work is not None and chunks:
+                    # Started before the prefill forward is built: that forward writes the same layer
+                    # arrays, in place only once nothing still reads the decode's views of them.
+                    mx.async_eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
+                if chunks:
+                    pre = self._prefill([(self._slots[c.key], c.tokens) for c in chunks])
+                    work = pre if work is None else merge(work, pre)
             mx.async_eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
         return work
 
-    def _decode(self, decode: list[_Slot]) -> _Work:
+    def _decode(self, decode: list[Slot]) -> Work:
+        batch, inputs = self._decode_batch(decode)
+        logits = self._model(inputs[:, None], cache=batch.views())[:, -1, :]
+        self._counts["forwards"] += 1
+        return self._decoded(decode, logits, inputs)
+
+    def _decode_batch(self, decode: list[Slot]) -> tuple[Batch, mx.array]:
+        """The decode forward's rows (every row of the table in use, one token each) and inputs."""
         self._grow(self._table.span, max(s.length for s in self._slots.values()) + 2)
         count = row_bucket(self._table.span, self._kv.rows, self._on_cpu)
         # Rows that do not decode (free, prefilling, done) write their step's garbage at the table's
@@ -251,77 +232,93 @@ class StepRunner:
             starts[s.row] = s.length
         batch = Batch(self._kv, starts, 1, None, round_up(max(s.length for s in decode) + 1, self._block))
         self._shapes_seen.add((count, 1, batch.keys_len, self._kv.capacity))
-        inputs = self._next_input[:count]
-        logits = self._model(inputs[:, None], cache=batch.views())[:, -1, :]
+        return batch, self._next_input[:count]
+
+    def _decoded(self, decode: list[Slot], logits: mx.array, inputs: mx.array) -> Work:
+        """Process and sample the decode rows' logits (one row per table row of the forward)."""
         rows = [s.row for s in decode]
-        logits = self._process(decode, rows, logits, inputs)
+        logits = process_logits(decode, rows, logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = self._sample(decode, rows, logprobs)
-        self._next_input[:count] = tokens
+        tokens = sample(decode, rows, logprobs)
+        self._next_input[:logits.shape[0]] = tokens
         for s in decode:
             s.length += 1
             s.sampled += 1
-        return _Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
+        return Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
+
+    def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+        """`_flat_step`, run to its end here and timed for the stall budget. On a CPU a step's
+        forward mostly runs while it is built (the fast paths evaluate each layer's attention), so
+        it cannot overlap the previous one anyway; waiting for that one first makes the time this
+        step's own."""
+        if self._inflight is not None:
+            mx.eval(self._inflight.tokens)
+        started = time.perf_counter()
+        work = self._flat_step(decode, chunks)
+        mx.eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
+        self._stall.record(time.perf_counter() - started, work.prefill_tokens, work.decoding)
+        return work
+
+    def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+        """The decode rows and every prompt chunk as one flat forward (the CPU fast-path llama's
+        `flat_attention`): the weights are read and every projection runs once for all of them.
+        On the 2-core box a forward costs ~one pass over the weights whatever its rows, so a
+        chunk in a forward of its own nearly doubled a decoding step."""
+        self._grow(self._table.span, max(s.length + n + 1 for s, n in chunks))
+        batches, inputs, at = [], [], []
+        if decode:
+            batch, decode_inputs = self._decode_batch(decode)
+            batches.append(batch)
+            inputs.append(decode_inputs)
+            at += [(0, i) for i in range(batch.count)]
+        ending, start = [], sum(b.count for b in batches)
+        for s, n in chunks:
+            batches.append(Batch(self._kv, [s.length], n, [s.row], round_up(s.length + n, self._block)))
+            inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
+            start += n
+            if s.fed + n == len(s.rest):
+                ending.append(s)
+                at.append((0, start - 1))
+        self._shapes_seen.add((sum(b.count * b.tokens for b in batches), batches[-1].keys_len, self._kv.capacity))
+        self._counts["prefill_tokens"] += sum(n for _, n in chunks)
+        self._counts["forwards"] += 1
+        logits = logits_at(self._model, mx.concatenate(inputs)[None], flat_views(batches), at)
+        work = self._decoded(decode, logits[:batches[0].count], inputs[0]) if decode else None
+        self._advance(chunks)
+        firsts = [(s, first_token(s, logits[len(at) - len(ending) + j][None])) for j, s in enumerate(ending)]
+        pre = self._prefilled(chunks, firsts)
+        return pre if work is None else merge(work, pre)
 
     @staticmethod
-    def _advance(chunks: list[tuple[_Slot, int]]) -> None:
+    def _advance(chunks: list[tuple[Slot, int]]) -> None:
         """Account the prompt chunks a step has fed."""
         for s, n in chunks:
             s.known.extend(s.rest[s.fed:s.fed + n])
             s.fed += n
             s.length += n
 
-    def _process(self, decode: list[_Slot], index: list[int], logits: mx.array, inputs: mx.array) -> mx.array:
-        """Each sequence's logits processors (its row of `logits` at `index`), with its tokens so far
-        (the input of this step last)."""
-        if not any(s.decoding.logits_processors for s in decode):
-            return logits
-        rows = [logits[i:i + 1] for i in range(logits.shape[0])]
-        for s, i in zip(decode, index):
-            if s.decoding.logits_processors:
-                s.context = mx.concatenate([s.context, inputs[i:i + 1]])
-                for process in s.decoding.logits_processors:
-                    rows[i] = process(s.context, rows[i])
-        return mx.concatenate(rows, axis=0)
-
-    def _sample(self, decode: list[_Slot], index: list[int], logprobs: mx.array) -> mx.array:
-        """One call per distinct sampler (one for the whole batch in the common case)."""
-        groups: dict[int, tuple[Sampler, list[int]]] = {}
-        for s, i in zip(decode, index):
-            groups.setdefault(id(s.decoding.sampler), (s.decoding.sampler, []))[1].append(i)
-        count = logprobs.shape[0]
-        if len(groups) == 1:
-            sampler, rows = next(iter(groups.values()))
-            # Rows that do not decode (free, prefilling) may ride along only where they cannot change
-            # what a decoding row draws: a seeded sampler's draw depends on the shape it is given.
-            if sampler is greedy_sampler or len(rows) == count:
-                return sampler(logprobs).astype(mx.int32)
-        tokens = mx.zeros((count,), mx.int32)
-        for sampler, rows in groups.values():
-            index = mx.array(rows, dtype=mx.int32)
-            tokens[index] = sampler(logprobs[index]).astype(mx.int32)
-        return tokens
-
-    def _prefill(self, chunks: list[tuple[_Slot, int]]) -> _Work:
+    def _prefill(self, chunks: list[tuple[Slot, int]]) -> Work:
         """Feed prompt chunks; a chunk that ends its prompt samples the first token. On a GPU the
         chunks go in one forward (padded to the longest), on a CPU one forward each (padding
         would cost a CPU real compute)."""
         groups = [chunks[i:i + 1] for i in range(len(chunks))] if self._on_cpu else [chunks]
-        outputs, firsts, logprobs, progress = [], [], [], []
-        for group in groups:
-            ending = self._prefill_group(group)
-            progress += [PromptProgress(s.request_id, s.fed, len(s.rest), not s.prefilling) for s, _ in group]
-            for slot, (token, lp) in ending:
-                outputs.append((slot, len(firsts)))
-                firsts.append(token)
-                logprobs.append(lp)
+        return self._prefilled(chunks, [first for group in groups for first in self._prefill_group(group)])
+
+    def _prefilled(self, chunks: list[tuple[Slot, int]],
+                   ending: list[tuple[Slot, tuple[mx.array, mx.array]]]) -> Work:
+        """A step's prefill outputs: the first tokens of the prompts that ended (their rows feed
+        them next step) and every chunk's progress."""
+        progress = [PromptProgress(s.request_id, s.fed, len(s.rest), not s.prefilling) for s, _ in chunks]
+        outputs = [(slot, i) for i, (slot, _) in enumerate(ending)]
+        firsts = [token for _, (token, _) in ending]
+        logprobs = [lp for _, (_, lp) in ending]
         tokens = mx.concatenate(firsts) if firsts else mx.zeros((0,), mx.int32)
         logprobs = mx.concatenate(logprobs, axis=0) if logprobs else mx.zeros((0, 1))
         if firsts:
             self._next_input[mx.array([s.row for s, _ in outputs], dtype=mx.int32)] = tokens
-        return _Work(outputs, tokens, logprobs, 0, sum(n for _, n in chunks), progress)
+        return Work(outputs, tokens, logprobs, 0, sum(n for _, n in chunks), progress)
 
-    def _prefill_group(self, group: list[tuple[_Slot, int]]) -> list[tuple[_Slot, tuple[mx.array, mx.array]]]:
+    def _prefill_group(self, group: list[tuple[Slot, int]]) -> list[tuple[Slot, tuple[mx.array, mx.array]]]:
         width = max(n for _, n in group)
         self._grow(self._table.span, max(s.length for s, _ in group) + width + 1)
         inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
@@ -330,34 +327,29 @@ class StepRunner:
         batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len)
         self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
         self._counts["prefill_tokens"] += sum(n for _, n in group)
+        self._counts["forwards"] += 1
         ending = [(i, s, n) for i, (s, n) in enumerate(group) if s.fed + n == len(s.rest)]
         logits = logits_at(self._model, inputs, batch.views(), [(i, n - 1) for i, _, n in ending])
         self._advance(group)
-        return [(s, self._first_token(s, logits[j:j + 1])) for j, (_, s, _) in enumerate(ending)]
+        return [(s, first_token(s, logits[j:j + 1])) for j, (_, s, _) in enumerate(ending)]
 
-    def _first_token(self, s: _Slot, row: mx.array) -> tuple[mx.array, mx.array]:
-        """Sample a prompt's first output token from its last position's logits (1, vocab), after
-        its processors, with the whole prompt as their context."""
-        if s.decoding.logits_processors:
-            s.context = mx.array(s.known, dtype=mx.int32)
-            for process in s.decoding.logits_processors:
-                row = process(s.context, row)
-        lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
-        s.sampled = 1
-        return s.decoding.sampler(lp).astype(mx.int32).reshape(1), lp
-
-    def _time(self, built: _Work | None, read: _Work | None, call_s: float, ended: float) -> None:
-        """Feed the stall budget a step's time. On a CPU the forward runs while it is built (the CPU
-        fast paths evaluate as they go), so a call's time is the step it built; on a GPU the time
-        between two read-backs is the step read."""
-        if self._on_cpu and built is not None:
+    def _time(self, built: Work | None, read: Work | None, call_s: float, ended: float) -> None:
+        """Feed the stall budget a step's time (flat steps time themselves). A decode-only step runs
+        between two read-backs, unless a flat step ran synchronously in between. Without flat steps
+        on a CPU the forward runs while it is built (the fast paths evaluate as they go), so a
+        call's time is the step it built; on a GPU the time between two read-backs is the step read."""
+        if self._flat:
+            if read is not None and not read.prefill_tokens and self._last_read is not None \
+                    and not (built is not None and built.prefill_tokens):
+                self._stall.record(ended - self._last_read, 0, read.decoding)
+        elif self._on_cpu and built is not None:
             self._stall.record(call_s, built.prefill_tokens, built.decoding)
         elif not self._on_cpu and read is not None and self._last_read is not None:
             self._stall.record(ended - self._last_read, read.prefill_tokens, read.decoding)
         self._last_read = ended if read is not None else None
 
     # -- reading back -------------------------------------------------------------------------
-    def _read(self, work: _Work | None) -> list[Generated]:
+    def _read(self, work: Work | None) -> list[Generated]:
         if work is None:
             return []
         tokens = work.tokens.tolist()
@@ -367,7 +359,7 @@ class StepRunner:
                 out.append(self._read_one(slot, tokens[i], work.logprobs[i]))
         return out
 
-    def _read_one(self, slot: _Slot, token: int, logprobs: mx.array) -> Generated:
+    def _read_one(self, slot: Slot, token: int, logprobs: mx.array) -> Generated:
         slot.generated += 1
         slot.known.append(token)
         reason = "length" if slot.generated >= slot.max_tokens else None
@@ -383,12 +375,3 @@ class StepRunner:
         self._kv.ensure(rows, positions)
         if self._kv.rows > old:
             self._next_input = mx.concatenate([self._next_input, mx.zeros((self._kv.rows - old,), mx.int32)])
-
-
-def _merge(a: _Work, b: _Work) -> _Work:
-    """A decode step's work and its prefill chunks' (whose outputs index after the decode rows)."""
-    shift = a.tokens.shape[0]
-    if not b.outputs:
-        return _Work(a.outputs, a.tokens, a.logprobs, a.decoding, b.prefill_tokens, b.progress)
-    return _Work(a.outputs + [(s, i + shift) for s, i in b.outputs], mx.concatenate([a.tokens, b.tokens]),
-                 mx.concatenate([a.logprobs, b.logprobs], axis=0), a.decoding, b.prefill_tokens, b.progress)

@@ -138,29 +138,65 @@ def _grouped(mask: mx.array, H: int, Hk: int, rep: int) -> mx.array:
 
 
 class CpuAttention(llama.Attention):
-    """mlx-lm's llama attention with the softmax of `attention` above; rope and cache as mlx-lm's."""
+    """mlx-lm's llama attention with the softmax of `attention` above; rope and cache as mlx-lm's.
+
+    It also takes a *flat* forward (a cache with `parts`, see `flat_attention`): the decode rows
+    and the prompt chunks of one engine step as one sequence of tokens, so every projection and
+    MLP runs once over all of them, as one matrix, instead of once per group.
+    """
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
         if cache is not None and hasattr(cache, "bits"):  # quantized KV: mlx-lm's own path
             return super().__call__(x, mask, cache)
+        if cache is not None and hasattr(cache, "parts"):
+            return self.o_proj(self.flat_attention(x, cache))
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), B, L)
         if cache is not None:
             q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
+        return self.o_proj(self._attend(q, k, v, mask).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def flat_attention(self, x: mx.array, cache: Any) -> mx.array:
+        """Attention for x of shape (1, N, dim) whose N tokens are `cache.parts` in order: each part
+        a (view, rows, tokens) of `rows` sequences feeding `tokens` each, with its own rotary
+        offsets, cache rows and mask (the view's `offset`, `update`, `fetch`, `make_mask`).
+
+        Every part writes its keys before any part reads: a read of the table between two writes
+        would keep the older array alive and make MLX copy the whole table for the next write.
+        """
+        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries, start = [], 0
+        for view, rows, tokens in cache.parts:
+            span = slice(start, start + rows * tokens)
+            q, k, v = self._heads(q_all[:, span], k_all[:, span], v_all[:, span], rows, tokens)
+            q, k = self.rope(q, offset=view.offset), self.rope(k, offset=view.offset)
+            view.update(k, v)
+            queries.append(q)
+            start += rows * tokens
+        outs = []
+        for (view, rows, tokens), q in zip(cache.parts, queries):
+            k, v = view.fetch()
+            out = self._attend(q, k, v, view.make_mask(tokens))
+            outs.append(out.transpose(0, 2, 1, 3).reshape(1, rows * tokens, -1))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+    def _heads(self, q: mx.array, k: mx.array, v: mx.array, B: int, L: int) -> tuple[mx.array, mx.array, mx.array]:
+        return (q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3),
+                k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3),
+                v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
+        L = q.shape[2]
         if L <= FAST_ATTENTION_MAX_QUERIES and k.shape[2] >= FAST_SOFTMAX_MIN_KEYS:
-            out = attention(q, k, v, self.scale, mask)
-        elif L <= FAST_ATTENTION_MAX_QUERIES:  # decode against a short context: MLX's own
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        elif q.dtype == mx.float32:  # a prefill chunk
-            out = prefill_attention(q, k, v, self.scale, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return attention(q, k, v, self.scale, mask)
+        if L <= FAST_ATTENTION_MAX_QUERIES:  # decode against a short context: MLX's own
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if q.dtype == mx.float32:  # a prefill chunk
+            return prefill_attention(q, k, v, self.scale, mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class CpuMLP(llama.MLP):

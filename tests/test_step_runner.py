@@ -20,13 +20,19 @@ from engine.runner import Runner
 from engine.sampling import make_decoding
 from engine.step_runner import StepRunner, make_runner
 from engine.types import SamplingParams
+from modelio.cpu_llama import accelerate
 from engine_helpers import collect, make_engine, request, run
 from hybrid_models import hybrid_model_dir  # noqa: F401  (a fixture)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return mlx_lm.load(str(tiny_model_dir))[0]
+@pytest.fixture(scope="module", params=["mlx_lm", "cpu_fast"])
+def model(request, tiny_model_dir):
+    """mlx-lm's llama as loaded, and with the CPU fast-path blocks (modelio/cpu_llama.py), whose
+    attention takes the own step's flat forward (decode rows and prompt chunks in one)."""
+    loaded = mlx_lm.load(str(tiny_model_dir))[0]
+    if request.param == "cpu_fast":
+        assert accelerate(loaded) > 0
+    return loaded
 
 
 @dataclass
@@ -153,6 +159,23 @@ def test_a_small_step_budget_feeds_long_prompts_in_chunks_beside_the_decodes(mod
     # 64 tokens a step, one of them the running decode's: the 695-token prompt takes 11 chunks of 63
     assert progress[:3] == [63, 126, 189] and progress[-1] == 695
     assert decoded_while_prefilling >= 9  # the running request got a token in (nearly) every one of them
+
+
+def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model):
+    """With the CPU fast-path llama blocks a step's decode rows and prompt chunks run as one flat
+    forward (a CPU forward costs about one pass over the weights, whatever its rows); with mlx-lm's
+    own blocks they are two forwards."""
+    runner = StepRunner(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    runner.insert("0", list(range(1, 20)), [], None, make_decoding(params, 19, []), 60)
+    for _ in range(3):
+        runner.step()
+    runner.insert("1", list(range(5, 300)), [], None, make_decoding(params, 295, []), 5)
+    before = runner.counters()["forwards"]
+    prompts, _ = runner.step()
+    assert [p.request_id for p in prompts] == ["1"] and not prompts[0].end_of_prompt
+    flat = hasattr(model.model.layers[0].self_attn, "flat_attention")
+    assert runner.counters()["forwards"] - before == (1 if flat else 2)
 
 
 def test_models_the_step_cannot_run_fall_back_once_with_a_log(model, hybrid_model_dir, caplog, monkeypatch):

@@ -1,0 +1,53 @@
+"""The own step's per-sequence and per-step records (engine/step_runner.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.runner import PromptProgress
+from engine.sampling import Decoding
+
+
+@dataclass(eq=False)
+class Slot:
+    request_id: str
+    row: int
+    decoding: Decoding
+    matcher: Any
+    max_tokens: int
+    rest: list[int]  # the prompt tokens to feed (the uncached rest)
+    known: list[int]  # token values known here: cached prefix, prompt fed, outputs read back
+    length: int  # KV positions written, in-flight steps included
+    fed: int = 0  # of `rest`
+    sampled: int = 0  # output tokens sampled, in-flight ones included
+    generated: int = 0  # output tokens read back
+    context: mx.array | None = None  # prompt + outputs, for logits processors
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.rest)
+
+
+@dataclass
+class Work:
+    """One started step: what to read back from it next step."""
+
+    outputs: list[tuple[Slot, int]]  # (slot, index into tokens/logprobs)
+    tokens: mx.array
+    logprobs: mx.array  # (len(tokens), vocab)
+    decoding: int
+    prefill_tokens: int
+    progress: list[PromptProgress] = field(default_factory=list)
+
+
+
+def merge(a: Work, b: Work) -> Work:
+    """A decode step's work and its prefill chunks' (whose outputs index after the decode rows)."""
+    shift = a.tokens.shape[0]
+    if not b.outputs:
+        return Work(a.outputs, a.tokens, a.logprobs, a.decoding, b.prefill_tokens, b.progress)
+    return Work(a.outputs + [(s, i + shift) for s, i in b.outputs], mx.concatenate([a.tokens, b.tokens]),
+                 mx.concatenate([a.logprobs, b.logprobs], axis=0), a.decoding, b.prefill_tokens, b.progress)
