@@ -192,7 +192,10 @@ class RowsView:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not supported by the slot step")
-        return self.batch.mask
+        b = self.batch
+        if b.single is not None and b.keys_len == b.single[1] + b.tokens:
+            return "causal"  # one row whose keys end at its last query: mlx-lm's own causal mask
+        return b.mask
 
     @property
     def state(self) -> Any:  # mlx-lm's helpers may look; the table is not a per-layer cache

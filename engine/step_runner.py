@@ -273,7 +273,7 @@ class StepRunner:
             at += [(0, i) for i in range(batch.count)]
         ending, start = [], sum(b.count for b in batches)
         for s, n in chunks:
-            batches.append(Batch(self._kv, [s.length], n, [s.row], round_up(s.length + n, self._block)))
+            batches.append(Batch(self._kv, [s.length], n, [s.row], self._chunk_keys(s.length + n)))
             inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
             start += n
             if s.fed + n == len(s.rest):
@@ -288,6 +288,11 @@ class StepRunner:
         firsts = [(s, first_token(s, logits[len(at) - len(ending) + j][None])) for j, s in enumerate(ending)]
         pre = self._prefilled(chunks, firsts)
         return pre if work is None else merge(work, pre)
+
+    def _chunk_keys(self, end: int) -> int:
+        """A one-row prompt chunk's key length: on a GPU bucketed (each new shape is a compile), on
+        a CPU exact, so its mask is plain causal (`RowsView.make_mask`) and no padded key costs."""
+        return end if self._on_cpu else round_up(end, self._block)
 
     @staticmethod
     def _advance(chunks: list[tuple[Slot, int]]) -> None:
@@ -323,7 +328,8 @@ class StepRunner:
         self._grow(self._table.span, max(s.length for s, _ in group) + width + 1)
         inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
         starts = [s.length for s, _ in group]
-        keys_len = round_up(max(a + width for a in starts), self._block)
+        keys_len = self._chunk_keys(max(a + width for a in starts)) if len(group) == 1 \
+            else round_up(max(a + width for a in starts), self._block)
         batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len)
         self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
         self._counts["prefill_tokens"] += sum(n for _, n in group)
