@@ -56,10 +56,8 @@ def make_runner(model: Any, config: EngineConfig) -> "StepRunner | Runner":
 
 
 def unsupported(model: Any, config: EngineConfig) -> str | None:
-    if config.max_kv_size is not None:
-        return "a rotating KV cache (max_kv_size) is set"
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {"KVCache"}:
+    if kinds != {"KVCache"}:  # with max_kv_size, these become rings (engine/ring_cache.py)
         return f"its layers need {', '.join(sorted(kinds))} caches, not only KVCache"
     return None
 
@@ -83,7 +81,7 @@ class StepRunner:
 
     def _new_table(self) -> None:
         self._table = SlotTable(self._config.max_running)
-        self._kv = SlotKV(self._shapes, self._block)
+        self._kv = SlotKV(self._shapes, self._block, self._config.max_kv_size)
         self._next_input = mx.zeros((0,), mx.int32)  # per row: the token it feeds next, on the device
         self._slots: dict[str, Slot] = {}  # in admission order
         self._inflight: Work | None = None
@@ -226,7 +224,7 @@ class StepRunner:
         # Rows that do not decode (free, prefilling, done) write their step's garbage at the table's
         # last position, which no sequence reaches (`_grow` keeps one spare), and are left out of
         # the key length, so a long prompt being fed does not lengthen every decode's attention.
-        scratch = self._kv.capacity - 1
+        scratch = self._kv.scratch
         starts = [scratch] * count
         for s in decode:
             starts[s.row] = s.length
@@ -330,7 +328,7 @@ class StepRunner:
         starts = [s.length for s, _ in group]
         keys_len = self._chunk_keys(max(a + width for a in starts)) if len(group) == 1 \
             else round_up(max(a + width for a in starts), self._block)
-        batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len)
+        batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len, [n for _, n in group])
         self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
         self._counts["prefill_tokens"] += sum(n for _, n in group)
         self._counts["forwards"] += 1

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from engine.config import EngineConfig
 from engine import step_runner
@@ -48,8 +48,29 @@ class Job:
     ending: str | None = None
 
 
-def prefix_cache(model, tokens):
-    cache = make_prompt_cache(model)
+def fresh_cache(model, max_kv_size=None):
+    """mlx-lm's caches; with a bound, the `RotatingKVCache`s `make_prompt_cache` builds for a model
+    without its own `make_cache` (mlx-lm's llama has one, and keeps plain KVCaches whatever the bound)."""
+    if max_kv_size is None:
+        return make_prompt_cache(model)
+    return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
+
+
+class RotatingRunner(Runner):
+    """The reference for a bounded cache: mlx-lm's BatchGenerator handed rotating caches (which it
+    merges into a BatchRotatingKVCache) for every prompt."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.bound = config.max_kv_size
+
+    def insert(self, request_id, tokens, cached, cache, decoding, max_tokens):
+        cache = fresh_cache(self._model, self.bound) if cache is None else cache
+        super().insert(request_id, tokens, cached, cache, decoding, max_tokens)
+
+
+def prefix_cache(model, tokens, max_kv_size=None):
+    cache = fresh_cache(model, max_kv_size)
     model(mx.array([tokens]), cache=cache)
     mx.eval([c.state for c in cache])
     return cache
@@ -67,7 +88,7 @@ def drive(model, make, jobs: list[Job], max_running: int = 8, **config) -> list[
                 started.add(i)
                 params = SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=True,
                                         stop_token_ids=j.stop)
-                cache = prefix_cache(model, j.prompt[:j.prefix]) if j.prefix else None
+                cache = prefix_cache(model, j.prompt[:j.prefix], config.get("max_kv_size")) if j.prefix else None
                 runner.insert(str(i), j.prompt[j.prefix:], j.prompt[:j.prefix], cache,
                               make_decoding(params, len(j.prompt), []), j.max_tokens)
             if j.abort is not None and i in started and step >= j.abort and j.ending is None:
@@ -181,13 +202,10 @@ def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model
 def test_models_the_step_cannot_run_fall_back_once_with_a_log(model, hybrid_model_dir, caplog, monkeypatch):
     monkeypatch.setattr(step_runner, "_told", set())  # other tests' engines may have logged these reasons
     caplog.set_level(logging.WARNING, logger="pomona.engine")
-    config = EngineConfig(model="tiny", max_kv_size=64)
-    assert type(make_runner(model, config)) is Runner
-    assert type(make_runner(model, config)) is Runner
-    assert sum("max_kv_size" in r.message for r in caplog.records) == 1  # logged once
     hybrid = mlx_lm.load(str(hybrid_model_dir("mamba2")))[0]
     assert type(make_runner(hybrid, EngineConfig(model="h"))) is Runner
-    assert "ArraysCache" in caplog.text
+    assert type(make_runner(hybrid, EngineConfig(model="h", max_kv_size=64))) is Runner
+    assert sum("ArraysCache" in r.message for r in caplog.records) == 1  # logged once
     assert type(make_runner(model, EngineConfig(model="tiny"))) is StepRunner
     assert type(make_runner(model, EngineConfig(model="tiny", engine_step="mlx_lm"))) is Runner
 
@@ -212,3 +230,81 @@ def test_engine_features_give_the_same_text_on_both_steps(tiny_model_dir, params
         finally:
             run(engine.shutdown())
     assert texts["pomona"] == texts["mlx_lm"]
+
+
+# -- bounded KV (max_kv_size): each row a ring, mlx-lm's BatchRotatingKVCache the reference -----
+
+def test_a_bounded_kv_cache_runs_on_the_own_step(model, caplog, monkeypatch):
+    monkeypatch.setattr(step_runner, "_told", set())
+    caplog.set_level(logging.WARNING, logger="pomona.engine")
+    assert type(make_runner(model, EngineConfig(model="tiny", max_kv_size=64))) is StepRunner
+    assert "BatchGenerator" not in caplog.text
+
+
+def test_bounded_kv_decode_wraps_the_ring_as_batch_generator_does(model):
+    """Prompts shorter than the 32-token window, generation far past it (the decode ring wraps
+    several times), mixed lengths arriving at different steps, one leaving early."""
+    rng = random.Random(7)
+    vocab = model.args.vocab_size
+    jobs = [Job([rng.randrange(1, vocab) for _ in range(n)], m, arrive)
+            for n, m, arrive in [(5, 120, 0), (20, 90, 0), (31, 100, 3), (1, 70, 9), (12, 110, 20)]]
+    jobs[3].abort = 40
+    assert_same(drive(model, StepRunner, jobs, max_kv_size=32), drive(model, RotatingRunner, jobs, max_kv_size=32))
+
+
+def test_bounded_kv_prompts_longer_than_the_window_match(model):
+    """Prompts longer than the window, fed in chunks (a small step budget: chunks of several
+    lengths, some longer than the window) beside running decodes: a chunk's queries see the ring as
+    it was plus the chunk, as mlx-lm's concatenate-then-trim update does."""
+    rng = random.Random(8)
+    vocab = model.args.vocab_size
+    jobs = [Job([rng.randrange(1, vocab) for _ in range(n)], m, arrive)
+            for n, m, arrive in [(10, 80, 0), (150, 40, 2), (64, 50, 5), (33, 60, 6), (200, 30, 12)]]
+    for config in (dict(max_kv_size=32, prefill_chunk=48, max_batch_tokens=96), dict(max_kv_size=64)):
+        assert_same(drive(model, StepRunner, jobs, **config), drive(model, RotatingRunner, jobs, **config))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), window=st.sampled_from([32, 48, 64]), rows=st.sampled_from([2, 8]))
+def test_bounded_kv_random_schedules_match(model, seed, window, rows):
+    jobs = random_jobs(model.args.vocab_size, seed, n=5, spread=20)
+    assert_same(drive(model, StepRunner, jobs, max_running=rows, max_kv_size=window),
+                drive(model, RotatingRunner, jobs, max_running=rows, max_kv_size=window))
+
+
+def test_bounded_kv_restored_prefixes_and_finished_caches_round_trip(model):
+    """A rotating prefix cache (mlx-lm's, rotated or not) written into a row gives what
+    BatchGenerator gives on it; a finished request's cache is a `RotatingKVCache` in token order
+    that, restored on either step, continues as the request itself would have."""
+    rng = random.Random(9)
+    vocab = model.args.vocab_size
+    jobs = [Job([rng.randrange(1, vocab) for _ in range(n)], 40, arrive, prefix=p)
+            for n, arrive, p in [(100, 0, 70), (50, 1, 20), (40, 2, 39), (90, 3, 0)]]
+    assert_same(drive(model, StepRunner, jobs, max_kv_size=32), drive(model, RotatingRunner, jobs, max_kv_size=32))
+    prompt = jobs[0].prompt
+    first = drive(model, StepRunner, [Job(prompt, 60)], max_kv_size=32)[0]
+    long = drive(model, RotatingRunner, [Job(prompt, 80)], max_kv_size=32)[0]
+    assert first.tokens == long.tokens[:60]
+    cache, covered = run_to_end(StepRunner(model, EngineConfig(model="tiny", max_kv_size=32)), "a", prompt, [],
+                                None, 60)[1:]
+    assert type(cache[0]).__name__ == "RotatingKVCache" and cache[0].offset == len(covered) == 159
+    assert cache[0].keep == 0 and cache[0].state[0].shape[2] == 32
+    # the last 32 tokens in order: the keys a pass with mlx-lm's own cache leaves there
+    reference = prefix_cache(model, covered, 32)
+    assert mx.abs(cache[0].state[0] - reference[0].state[0][..., -32:, :]).max().item() < 1e-4
+    for make in (StepRunner, RotatingRunner):  # restored (its last token fed anew): as the long run went on
+        more = run_to_end(make(model, EngineConfig(model="tiny", max_kv_size=32)), "b", first.tokens[-1:],
+                          covered, cache, 20)[0]
+        assert more == long.tokens[60:], make
+
+
+def run_to_end(runner, request_id, tokens, cached, cache, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    runner.insert(request_id, tokens, cached, cache, make_decoding(params, len(cached) + len(tokens), []),
+                  max_tokens)
+    out, final = [], None
+    while len(runner):
+        for g in runner.step()[1]:
+            out.append(g.token)
+            final = g if g.finish_reason else final
+    return out, final.cache, final.tokens
