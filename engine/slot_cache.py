@@ -199,8 +199,8 @@ class RowsView:
             self._before = (
                 mx.concatenate([self._fetch(kv.keys[self.layer], s.kv_heads, s.k_dim, b.prior), keys], axis=2),
                 mx.concatenate([self._fetch(kv.values[self.layer], s.kv_heads, s.v_dim, b.prior), values], axis=2))
-            # The write waits for the read: run before it, it would find the table still referenced
-            # and copy all of it instead of writing in place.
+            # The write waits for the read (MLX's evaluation order does not promise it): run first,
+            # it would find the table still referenced and copy all of it instead of writing in place.
             keys, values = mx.depends([keys, values], list(self._before))
         if b.single is not None:
             row, start = b.single

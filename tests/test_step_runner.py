@@ -308,3 +308,59 @@ def run_to_end(runner, request_id, tokens, cached, cache, max_tokens):
             out.append(g.token)
             final = g if g.finish_reason else final
     return out, final.cache, final.tokens
+
+
+def test_bounded_kv_chunks_padded_into_one_forward_match_chunks_fed_alone(model):
+    """The GPU's prefill puts several prompt chunks in one forward, padded to the longest (the
+    2-core box's CPU path never does). The padding, and a chunk's tokens pushed out of its own
+    window, must not land in a ring: logits and rings equal feeding each chunk alone."""
+    from engine.runner import logits_at
+    from engine.slot_cache import Batch, SlotKV, layer_shapes
+
+    rng = random.Random(10)
+    history = [[rng.randrange(1, 400) for _ in range(n)] for n in (40, 10)]
+    chunks = [[rng.randrange(1, 400) for _ in range(n)] for n in (5, 45)]
+
+    def table():
+        kv = SlotKV(layer_shapes(model), 64, 32)
+        kv.ensure(2, 33)
+        for row, tokens in enumerate(history):
+            model(mx.array([tokens]), cache=Batch(kv, [0], len(tokens), [row], 64).views())
+        return kv
+
+    together = table()
+    width = max(len(c) for c in chunks)
+    inputs = mx.array([c + [0] * (width - len(c)) for c in chunks])
+    batch = Batch(together, [len(h) for h in history], width, [0, 1], 64, [len(c) for c in chunks])
+    ours = logits_at(model, inputs, batch.views(), [(r, len(c) - 1) for r, c in enumerate(chunks)])
+    alone = table()
+    for row, (h, c) in enumerate(zip(history, chunks)):
+        reference = logits_at(model, mx.array([c]), Batch(alone, [len(h)], len(c), [row], 64).views(),
+                              [(0, len(c) - 1)])
+        assert mx.abs(ours[row] - reference[0]).max().item() < 1e-4
+        n = len(h) + len(c)
+        for a, b in zip(together.extract(row, n), alone.extract(row, n)):
+            assert a.offset == b.offset == n and mx.abs(a.state[0] - b.state[0]).max().item() < 1e-5
+
+
+def test_bounded_kv_direct_first_token_matches_the_batch(model):
+    """`insert_after_first_token` (the rest of a prompt fed at once, in chunks of up to 2,048
+    tokens, many times the window) gives the first token the batch gives, on a restored rotating
+    prefix or none, and the request decodes on from there as in the batch. (Not compared with
+    `Runner.insert_after_first_token`: that one prefills on mlx-lm's single-sequence
+    `RotatingKVCache`, which keeps 4 leading tokens, unlike the batch's cache.)"""
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, model.args.vocab_size) for _ in range(150)]
+    for prefix in (0, 130):  # 130: the 20 tokens fed attend to the restored ring
+        reference = drive(model, RotatingRunner, [Job(prompt, 20, prefix=prefix)], max_kv_size=32)[0]
+        runner = StepRunner(model, EngineConfig(model="tiny", max_kv_size=32))
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        cache = prefix_cache(model, prompt[:prefix], 32) if prefix else None
+        first = runner.insert_after_first_token("a", prompt[prefix:], prompt[:prefix], cache,
+                                                make_decoding(params, len(prompt), []), 20)
+        assert first.token == reference.tokens[0]
+        assert abs(first.logprobs[first.token].item() - reference.logprobs[0]) < 1e-4
+        rest = []
+        while len(runner):
+            rest += [g.token for g in runner.step()[1]]
+        assert rest == reference.tokens[1:]
