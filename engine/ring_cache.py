@@ -30,10 +30,13 @@ tokens in temporal order at consecutive positions, as `BatchRotatingKVCache.merg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
+
+if TYPE_CHECKING:  # slot_cache imports this module
+    from engine.slot_cache import SlotKV
 
 
 class RingPlan:
@@ -108,7 +111,7 @@ def ring_ranges(window: int, n: int, length: int) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def write_ring(kv: Any, row: int, cache: list[Any], n: int) -> None:
+def write_ring(kv: "SlotKV", row: int, cache: list[Any], n: int) -> None:
     """Put a restored cache covering n tokens into `row`'s ring: its last min(n, W) tokens."""
     for i, (s, c) in enumerate(zip(kv.shapes, cache)):
         keys, values = temporal(c, n)
@@ -120,14 +123,15 @@ def write_ring(kv: Any, row: int, cache: list[Any], n: int) -> None:
             kv.values[i][lo:hi, first:end] = values[:, at:at + end - first]
 
 
-def extract_ring(kv: Any, row: int, n: int) -> list[RotatingKVCache]:
+def extract_ring(kv: "SlotKV", row: int, n: int) -> list[RotatingKVCache]:
     """`row`'s last min(n, W) tokens (positions up to n - 1, the last written) as mlx-lm
     `RotatingKVCache`s in token order, as `BatchRotatingKVCache.extract` gives them: keep 0, the
     absolute offset n. Copies, so no view of the table outlives the step."""
     out = []
     for i, s in enumerate(kv.shapes):
         lo, hi = row * s.kv_heads, (row + 1) * s.kv_heads
-        parts = [(kv.keys[i][lo:hi, a:b], kv.values[i][lo:hi, a:b]) for a, b, _ in ring_ranges(kv.window, n, min(n, kv.window))]
+        ranges = ring_ranges(kv.window, n, min(n, kv.window))
+        parts = [(kv.keys[i][lo:hi, a:b], kv.values[i][lo:hi, a:b]) for a, b, _ in ranges]
         keys = mx.contiguous(mx.concatenate([k for k, _ in parts], axis=1))[None]
         values = mx.contiguous(mx.concatenate([v for _, v in parts], axis=1))[None]
         c = RotatingKVCache(kv.window)
