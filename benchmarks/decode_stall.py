@@ -81,8 +81,10 @@ async def one_round(engine: Any, vocab: int, running: int, prompt_len: int, seed
             elif nxt > sent and prev < first:  # a gap overlapping the long prompt's admission
                 stall.append(nxt - prev)
     step = statistics.median(plain)
-    return {"plain_step_ms": 1000 * step, "max_gap_ms": 1000 * max(stall), "stall_ratio": max(stall) / step,
-            "long_ttft_ms": 1000 * (first - sent)}
+    # The slowest plain gap over the median: how far the box's own noise takes a maximum (a stall
+    # ratio near it is as flat as this machine gets).
+    return {"plain_step_ms": 1000 * step, "plain_max_ratio": max(plain) / step, "max_gap_ms": 1000 * max(stall),
+            "stall_ratio": max(stall) / step, "long_ttft_ms": 1000 * (first - sent)}
 
 
 async def measure(model_dir: str, step: str, running: int, prompt_len: int, seed: int) -> dict[str, float]:
@@ -99,7 +101,7 @@ async def measure(model_dir: str, step: str, running: int, prompt_len: int, seed
         # merge), a one-time copy into fresh memory; the second finds it grown: both are reported.
         cold = await one_round(engine, vocab, running, prompt_len, seed)
         warm = await one_round(engine, vocab, running, prompt_len, seed + 500)
-        return {**warm, **{f"first_{k}": v for k, v in cold.items() if k != "plain_step_ms"}}
+        return {**warm, **{f"first_{k}": v for k, v in cold.items() if not k.startswith("plain")}}
     finally:
         await engine.shutdown(drain_s=0)
 
@@ -132,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for step, m in out["median"].items():
         print(f"{step}: plain step {m['plain_step_ms']:.1f} ms, slowest gap while a {args.prompt}-token prompt "
               f"is admitted {m['max_gap_ms']:.1f} ms = {m['stall_ratio']:.2f}x, its TTFT {m['long_ttft_ms']:.0f} ms "
-              f"(the first such prompt, as the table grows: {m['first_stall_ratio']:.2f}x, {m['first_long_ttft_ms']:.0f} ms)")
+              f"(the first such prompt, as the table grows: {m['first_stall_ratio']:.2f}x, {m['first_long_ttft_ms']:.0f} ms; "
+              f"slowest plain gap {m['plain_max_ratio']:.2f}x)")
     print(json.dumps(out["median"]))
     return 0
 
