@@ -228,7 +228,7 @@ class StepRunner:
         starts = [scratch] * count
         for s in decode:
             starts[s.row] = s.length
-        batch = Batch(self._kv, starts, 1, None, round_up(max(s.length for s in decode) + 1, self._block))
+        batch = Batch(self._kv, starts, 1, None, self._keys_len(max(s.length for s in decode) + 1))
         self._shapes_seen.add((count, 1, batch.keys_len, self._kv.capacity))
         return batch, self._next_input[:count]
 
@@ -271,7 +271,7 @@ class StepRunner:
             at += [(0, i) for i in range(batch.count)]
         ending, start = [], sum(b.count for b in batches)
         for s, n in chunks:
-            batches.append(Batch(self._kv, [s.length], n, [s.row], self._chunk_keys(s.length + n)))
+            batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
             inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
             start += n
             if s.fed + n == len(s.rest):
@@ -287,9 +287,10 @@ class StepRunner:
         pre = self._prefilled(chunks, firsts)
         return pre if work is None else merge(work, pre)
 
-    def _chunk_keys(self, end: int) -> int:
-        """A one-row prompt chunk's key length: on a GPU bucketed (each new shape is a compile), on
-        a CPU exact, so its mask is plain causal (`RowsView.make_mask`) and no padded key costs."""
+    def _keys_len(self, end: int) -> int:
+        """A forward's key length: on a GPU bucketed (each new shape is a compile), on a CPU exact,
+        so no padded key costs compute and a one-row chunk's mask is plain causal
+        (`RowsView.make_mask`)."""
         return end if self._on_cpu else round_up(end, self._block)
 
     @staticmethod
@@ -326,7 +327,7 @@ class StepRunner:
         self._grow(self._table.span, max(s.length for s, _ in group) + width + 1)
         inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
         starts = [s.length for s, _ in group]
-        keys_len = self._chunk_keys(max(a + width for a in starts)) if len(group) == 1 \
+        keys_len = self._keys_len(max(a + width for a in starts)) if len(group) == 1 \
             else round_up(max(a + width for a in starts), self._block)
         batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len, [n for _, n in group])
         self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
