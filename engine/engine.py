@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
 from engine.runner import Generated, PromptProgress
 from engine.sampling import make_decoding, top_logprobs
-from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput
+from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.step_runner import make_runner
@@ -111,10 +111,12 @@ class Engine:
             share_tokens=self._share_tokens,
             first_token_pending=sum(1 for s in self.seqs.values() if s.status is not RequestStatus.WAITING
                                     and s.first_token_at is None and s.prefill_left <= 1),
+            kv_window=self.runner.kv_window,
         )
 
     def _reserved_tokens(self) -> int:
-        return sum(s.prompt_len + s.request.params.max_tokens for s in self.seqs.values()
+        window = self.runner.kv_window
+        return sum(kv_footprint(s.prompt_len + s.request.params.max_tokens, window) for s in self.seqs.values()
                    if s.status is not RequestStatus.WAITING)
 
     # -- the step -----------------------------------------------------------------------------

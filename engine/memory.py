@@ -1,6 +1,7 @@
 """One memory account for running KV state and the RAM cache tier.
 
-Running requests reserve their worst case (prompt + max_tokens) of KV bytes at admission; the RAM
+Running requests reserve their worst case (prompt + max_tokens, or a ring's window where the step
+keeps a bounded cache: `scheduler.kv_footprint`) of KV bytes at admission; the RAM
 tier may use what is left, up to its own budget. When memory is tight the cache gives way first:
 its budget shrinks (entries are demoted to the SSD tier) before a request is kept waiting, and a
 running request is never stopped to make room for the cache.

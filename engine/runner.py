@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
@@ -76,6 +76,16 @@ def logits_at(model: Any, inputs: mx.array, cache: list[Any], at: list[tuple[int
     return logits[rows, positions] if at else None
 
 
+def bounded_window(model: Any, max_kv_size: int | None) -> int | None:
+    """`max_kv_size` where mlx-lm's caches for `model` honour it (rotating caches), else None: a
+    model with its own `make_cache` (llama among them) gets unbounded caches from mlx-lm whatever
+    `max_kv_size` says, and must be accounted for in full."""
+    if max_kv_size is None:
+        return None
+    caches = make_prompt_cache(model, max_kv_size)
+    return max_kv_size if caches and all(isinstance(c, RotatingKVCache) for c in caches) else None
+
+
 class Runner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         self._model = model
@@ -84,6 +94,7 @@ class Runner:
         # Where prefills stop for checkpoints (the engine asks `checkpoints.due`); a hybrid
         # model's prompts are fed in segments that end there.
         self.checkpoints = CheckpointPolicy.for_model(model, config)
+        self.kv_window = bounded_window(model, config.max_kv_size)
         self._uid_to_id: dict[int, str] = {}
         self._id_to_uid: dict[str, int] = {}
 

@@ -34,6 +34,12 @@ Find = Callable[[tuple[int, ...]], "Match | None"]
 CPU_GROUP_RATIO = 2.0  # "auto" on the CPU backend: a prompt joins a prefill within this length ratio
 
 
+def kv_footprint(tokens: int, window: int | None) -> int:
+    """KV positions a sequence of `tokens` holds at most: all of them, or a ring's `window` (+1,
+    the token being written) when its cache is bounded."""
+    return tokens if window is None else min(tokens, window + 1)
+
+
 @dataclass(frozen=True)
 class BatchView:
     """What the scheduler needs to know about the running batch."""
@@ -51,6 +57,8 @@ class BatchView:
     # Requests whose prompt is fully fed but whose first token has not come back yet: a newcomer's
     # prefill admitted now would run inside the steps they are waiting on.
     first_token_pending: int = 0
+    # The most KV positions one sequence keeps (a bounded, rotating cache); None: all of them.
+    kv_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +166,7 @@ class Scheduler:
             if prefilling and (not self._fits(size, tokens, shortest, longest)
                                or self._prefills_alone(size, lambda: _usable(match(head)))):
                 break  # FCFS / priority order: the head waits rather than being overtaken
-            reserve = size + head.params.max_tokens
+            reserve = kv_footprint(size + head.params.max_tokens, view.kv_window)
             if kv_free is not None and reserve > kv_free and running > 0:
                 break  # not enough memory; running requests finishing will free it
             heapq.heappop(self._heap)

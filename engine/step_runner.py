@@ -69,6 +69,7 @@ class StepRunner:
         self._on_cpu = mx.default_device() == mx.cpu
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
+        self.kv_window = config.max_kv_size  # every row is a ring of this many positions when set
         self._shapes = layer_shapes(model)
         self._stall = StallBudget(config.max_decode_stall)
         self._block = POSITION_BLOCK_CPU if self._on_cpu else POSITION_BLOCK_GPU

@@ -250,3 +250,13 @@ def test_any_rest_goes_direct_when_nobody_runs():
     off = Scheduler(EngineConfig(direct_first_token=None), on_cpu=True)
     off.add_request(Request(turn, request_id="turn"))
     assert not off.schedule(BatchView(), lambda p: Match(450, "ram")).admit[0].direct
+
+
+def test_a_bounded_kv_cache_reserves_its_window_not_the_whole_request():
+    s = Scheduler(EngineConfig())
+    for rid, t in (("a", 0), ("b", 1)):
+        s.add_request(Request((1,) * 50, SamplingParams(max_tokens=50), request_id=rid, arrival_time=t))
+    # rings of 32 positions: each request holds at most 33 (the ring and the token being written)
+    assert ids(s.schedule(BatchView(kv_tokens_free=70, kv_window=32))) == ["a", "b"]
+    s.add_request(Request((1,) * 50, SamplingParams(max_tokens=50), request_id="c", arrival_time=2))
+    assert ids(s.schedule(BatchView(running=2, kv_tokens_free=70))) == []  # unbounded: 100 > 70

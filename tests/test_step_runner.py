@@ -182,6 +182,15 @@ def test_a_small_step_budget_feeds_long_prompts_in_chunks_beside_the_decodes(mod
     assert decoded_while_prefilling >= 9  # the running request got a token in (nearly) every one of them
 
 
+def test_the_memory_account_sees_the_own_steps_rings_and_not_mlx_lms_dropped_bound(model):
+    """The own step keeps `max_kv_size` as a ring per row; mlx-lm gives llama (its own
+    `make_cache`) unbounded caches whatever `max_kv_size` says, so that step is accounted in full."""
+    config = EngineConfig(model="tiny", max_kv_size=32)
+    assert StepRunner(model, config).kv_window == 32
+    assert Runner(model, config).kv_window is None
+    assert StepRunner(model, EngineConfig(model="tiny")).kv_window is None
+
+
 def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model):
     """With the CPU fast-path llama blocks a step's decode rows and prompt chunks run as one flat
     forward (a CPU forward costs about one pass over the weights, whatever its rows); with mlx-lm's
