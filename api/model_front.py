@@ -65,7 +65,7 @@ class ModelFront:
         keys = self.servers[0].api_keys
         if open_ or not keys:
             return await route(scope, receive, send)
-        from api.server import ApiKeyMiddleware
+        from api.auth import ApiKeyMiddleware
 
         await ApiKeyMiddleware(route, keys=keys, metrics=self.servers[0].metrics)(scope, receive, send)
 

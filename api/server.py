@@ -11,8 +11,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import logging
 import time
 import uuid
@@ -20,19 +18,18 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import anthropic_api, model_status, openai_types as oa, responses_api
 from api.admin import AdminRoutes
+from api.auth import ApiKeyMiddleware, error_response
 from api.dialect import respond
 from api.wire import sampling_to_wire
 from api.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
-                                 too_large, unauthorized, unavailable, with_request_id)
+                                 too_large, unavailable, with_request_id)
 from api.generation import Pipeline
 from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, IngressMetrics
 from api.openai_chat import OpenAIChat
@@ -45,8 +42,11 @@ log = logging.getLogger("pomona.ingress")
 POLL_S = 1.0  # while not ready
 POLL_READY_S = 5.0  # once ready: each poll is a logged call on the LLM server
 POLL_TIMEOUT_S = 5.0
+# Polls in a row that may time out before a ready ingress answers 503. A replica busy with a long
+# prefill, or a box whose cores the forward pass takes, can miss one poll's deadline while it
+# serves every request it has; an error (no replica, a refusal) still counts at once.
+POLL_MISSES = 3
 STATS_TIMEOUT_S = 2.0
-OPEN_PATHS = frozenset({"/health"})
 
 
 class Backend(Protocol):
@@ -68,49 +68,6 @@ class Ready:
     @property
     def context_length(self) -> int:
         return int(self.info["context_length"])
-
-
-def error_response(err: ApiError, path: str = "") -> JSONResponse:
-    return JSONResponse(body_for(path, err), status_code=err.status, headers=dict(err.headers))
-
-
-class ApiKeyMiddleware:
-    """Bearer-token check on every path but /health; keys are compared in constant time."""
-
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], metrics: IngressMetrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
-
-    def allowed(self, token: str) -> bool:
-        # Hash first so every comparison has the same length; check every key so timing reveals nothing.
-        digest = hashlib.sha256(token.encode()).digest()
-        ok = False
-        for known in self.digests:
-            ok |= hmac.compare_digest(digest, known)
-        return ok
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.digests or _route_path(scope) in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token. Either works anywhere.
-        token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
-        if token and self.allowed(token):
-            return await self.app(scope, receive, send)
-        self.metrics.count(scope["path"], 401)
-        sent = auth or headers.get("x-api-key")
-        message = ("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'." if not sent
-                   else "The API key is not valid: check the key you send in 'Authorization: Bearer <key>' "
-                        "or 'x-api-key'.")
-        await error_response(unauthorized(message), _route_path(scope))(scope, receive, send)
-
-
-def _route_path(scope: Scope) -> str:
-    """The path inside the app: Serve mounts it under the application's route_prefix (root_path)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -142,6 +99,7 @@ class OpenAIServer:
         # ("Already borrowed"), and tokenizing a long prompt must not stall other streams.
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
         self._poller: asyncio.Task | None = None
+        self._misses = 0  # polls timed out in a row while ready
         self.pipeline = Pipeline(self)
 
     # -- readiness -------------------------------------------------------------------------------
@@ -157,11 +115,22 @@ class OpenAIServer:
                     self._vocab_size = len(await self.on_tok(tokenizer.get_vocab))
                     self._tokenizer = tokenizer
             self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=self._vocab_size)
-        except Exception as exc:  # any failure means "not ready now": keep polling
+            self._misses = 0
+        except asyncio.TimeoutError:
+            self._misses += 1
+            if self.ready is not None and self._misses < POLL_MISSES:
+                log.info("readiness poll timed out (%d in a row); still serving", self._misses)
+                return
+            self._not_ready(f"{self._misses} polls timed out")
+        except Exception as exc:  # any other failure means "not ready now": keep polling
             log.debug("readiness poll failed", exc_info=True)
-            if self.ready is not None:
-                log.warning("no LLM server replica answered (%s); answering 503 until one does", exc)
-            self.ready = None
+            self._not_ready(str(exc) or type(exc).__name__)
+
+    def _not_ready(self, why: str) -> None:
+        if self.ready is not None:
+            log.warning("no LLM server replica answered (%s); answering 503 until one does", why)
+        self.ready = None
+        self._misses = 0
 
     async def _poll(self) -> None:
         while True:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
-from api.server import ApiKeyMiddleware, OpenAIServer
+from api.auth import ApiKeyMiddleware
+from api import server as api_server
+from api.server import OpenAIServer
 from api.metrics import IngressMetrics
 from api.settings import AppSettings
 
@@ -57,3 +60,42 @@ def test_vocabulary_is_read_once_and_bounds_prompt_token_ids():
         r = client.post("/v1/completions", json={"model": "m", "prompt": [3, 50]})
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "prompt" and "below the vocabulary size 50" in r.json()["error"]["message"]
+
+
+class Flaky(InfoOnly):
+    """Answers, then stalls (`stall` True) or fails (`fail` True) when asked."""
+
+    stall = fail = False
+
+    async def info(self) -> dict[str, Any]:
+        if self.fail:
+            raise RuntimeError("no replica")
+        if self.stall:
+            await asyncio.sleep(10)
+        return await super().info()
+
+
+def test_a_timed_out_poll_does_not_turn_a_serving_ingress_away(monkeypatch):
+    """A replica busy with a long prefill can miss a poll's deadline while it serves: the ingress
+    keeps answering until POLL_MISSES polls in a row time out; an error still counts at once."""
+    monkeypatch.setattr(api_server, "POLL_TIMEOUT_S", 0.05)
+    backend = Flaky()
+    server = OpenAIServer(AppSettings.from_args({"model": "m"}), backend, load_tokenizer=lambda: CountingTokenizer(5))
+
+    async def main() -> list[bool]:
+        seen = []
+        await server.refresh()
+        backend.stall = True
+        for _ in range(api_server.POLL_MISSES):
+            await server.refresh()
+            seen.append(server.ready is not None)
+        backend.stall = False
+        await server.refresh()
+        seen.append(server.ready is not None)
+        backend.fail = True
+        await server.refresh()
+        seen.append(server.ready is not None)
+        return seen
+
+    misses = api_server.POLL_MISSES
+    assert asyncio.run(main()) == [True] * (misses - 1) + [False, True, False]
