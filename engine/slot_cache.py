@@ -252,7 +252,7 @@ class FlatView:
         self.parts = [(RowsView(b, layer), b.count, b.tokens) for b in batches]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> None:
-        if window_size is not None:
+        if window_size is not None and window_size != self.parts[0][0].batch.kv.window:  # as RowsView
             raise NotImplementedError("sliding-window attention is not supported by the slot step")
         return None  # each part brings its own
 

@@ -93,16 +93,19 @@ class StepRunner:
 
     def self_check(self) -> None:
         """A short prompt through the table must give mlx-lm's own logits (row 1, so rows and
-        positions are both exercised); raises otherwise."""
+        positions are both exercised), through the flat forward too where steps use it; raises
+        otherwise."""
         prompt = [1, 2, 3, 4, 5]
         reference = self._model(mx.array([prompt]), cache=make_prompt_cache(self._model))[0, -1]
         self._grow(2, len(prompt) + 1)
         batch = Batch(self._kv, [0], len(prompt), [1], round_up(len(prompt), self._block))
-        ours = logits_at(self._model, mx.array([prompt]), batch.views(), [(0, len(prompt) - 1)])[0]
+        views = [batch.views()] + ([flat_views([batch])] if self._flat else [])
         scale = float(mx.abs(reference).max().item()) or 1.0
-        diff = float(mx.abs(ours.astype(mx.float32) - reference.astype(mx.float32)).max().item())
-        if diff > 2e-2 * scale:
-            raise RuntimeError(f"logits differ from mlx-lm's cache by {diff:.3g} (scale {scale:.3g})")
+        for cache in views:
+            ours = logits_at(self._model, mx.array([prompt]), cache, [(0, len(prompt) - 1)])[0]
+            diff = float(mx.abs(ours.astype(mx.float32) - reference.astype(mx.float32)).max().item())
+            if diff > 2e-2 * scale:
+                raise RuntimeError(f"logits differ from mlx-lm's cache by {diff:.3g} (scale {scale:.3g})")
         self._new_table()
 
     # -- requests in and out ------------------------------------------------------------------

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine import step_runner
 from engine.runner import Runner
 from engine.sampling import make_decoding
+from engine.slot_cache import FlatView
 from engine.step_runner import StepRunner, make_runner
 from engine.types import SamplingParams
 from modelio.cpu_llama import accelerate
@@ -189,6 +190,17 @@ def test_the_memory_account_sees_the_own_steps_rings_and_not_mlx_lms_dropped_bou
     assert StepRunner(model, config).kv_window == 32
     assert Runner(model, config).kv_window is None
     assert StepRunner(model, EngineConfig(model="tiny")).kv_window is None
+
+
+def test_a_flat_forward_that_fails_the_start_up_check_falls_back(model, monkeypatch):
+    def refuse(self, n, **_):
+        raise NotImplementedError("no flat forward here")
+
+    monkeypatch.setattr(step_runner, "_told", set())
+    monkeypatch.setattr(FlatView, "make_mask", refuse)
+    flat = hasattr(model.model.layers[0].self_attn, "flat_attention")
+    runner = make_runner(model, EngineConfig(model="tiny"))
+    assert type(runner) is (Runner if flat else StepRunner)
 
 
 def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model):
