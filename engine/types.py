@@ -198,8 +198,14 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     arrival_time: float = field(default_factory=time.monotonic)
     constraint: Any = field(default=None, compare=False, repr=False)
+    # Partitions the prefix cache (as vLLM's `cache_salt`): state is shared only between requests with
+    # the same salt. The ingress sets it from the caller's tenant (plus any salt the request adds),
+    # so one tenant's cached prefixes, and the timing and cached-token counts they would show, are
+    # never served to another. "" is the one implicit tenant of a server without keys.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.cache_salt, str), "cache_salt must be a string")
         _check(isinstance(self.prompt_tokens, tuple), "prompt_tokens must be a tuple of token ids")
         _check(len(self.prompt_tokens) > 0, "the prompt is empty: send at least one token")
         _check(all(isinstance(t, int) and t >= 0 for t in self.prompt_tokens), "prompt tokens must be ids >= 0")
