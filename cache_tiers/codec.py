@@ -1,11 +1,13 @@
-"""Snapshots <-> safetensors bytes, split so that the SSD writer thread never calls MLX.
+"""Blocks and exact states <-> safetensors bytes, split so that the SSD writer thread never calls MLX.
 
-`to_host` (MLX thread) exposes a snapshot's evaluated arrays as numpy views (zero-copy; the views
-keep the MLX buffers alive, and snapshots are never mutated). `encode` (writer thread) turns
-them into safetensors bytes with `safetensors.numpy`; `decode` (MLX thread, on an SSD hit) parses
-and validates them; `from_host` builds MLX arrays again. Nothing is pickled. A decoded entry is
-trusted only after its format version, model fingerprint, structure and shapes check out; any
-failure is a `CorruptEntry`, which the SSD tier turns into "delete and count".
+`prepare_block` / `prepare_state` (MLX thread, at the offer) name a block's arrays and start
+bfloat16 ones as uint16 views (numpy has no bfloat16) with `mx.async_eval`, waiting for nothing.
+`to_host` (MLX thread, a step later, when the arrays are long computed) exposes them as numpy
+views: no copy and no wait. `encode` (writer thread) writes safetensors bytes; `decode_block` /
+`decode_state` (on an SSD hit) parse and validate them, and build MLX arrays again. Nothing is
+pickled. A decoded row is trusted only after its checksum, format version, model fingerprint,
+digest, structure and shapes check out; any failure is a `CorruptEntry`, which the SSD tier
+turns into "delete and count".
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import numpy as np
 import safetensors.numpy as stn
 
 from . import keys
-from .snapshot import (CACHE_CLASSES, SCALARS, LayerSnapshot, Snapshot, cut_layer, is_trimmable, layer_lengths,
-                       leaves)
+from .blocks import Block, ExactState, Layout
+from .layer_state import CACHE_CLASSES, SCALARS, LayerSnapshot, cut_layer, layer_lengths, leaves
 
 _META = "pomona"
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16", "uint32": "U32", "int64": "I64",
@@ -49,34 +51,74 @@ class HostEntry:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _host(a: mx.array, name: str, tensors: dict[str, np.ndarray], bf16: list[str]) -> str:
-    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: ship the bits, remember the type
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A block or state named for storage, its arrays still MLX (bfloat16 ones as started uint16
+    views); `to_host` turns it into a `HostEntry` once they are computed."""
+
+    arrays: dict[str, Any]  # name -> mx.array or np.ndarray
+    meta: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+
+def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str]) -> str:
+    if isinstance(a, mx.array) and a.dtype == mx.bfloat16:  # numpy has no bfloat16: ship the bits
         a = mx.view(a, mx.uint16)
-        mx.eval(a)
         bf16.append(name)
-    tensors[name] = np.asarray(a)
+    arrays[name] = a
     return name
 
 
-def _layout(tree: Any, prefix: str, tensors: dict[str, np.ndarray], bf16: list[str]) -> dict[str, Any]:
-    """A JSON-able description of a state tree; arrays go to `tensors` under `prefix.k` names.
+def _layout(tree: Any, prefix: str, arrays: dict[str, Any], bf16: list[str]) -> dict[str, Any]:
+    """A JSON-able description of a state tree; arrays go to `arrays` under `prefix.k` names.
     Lists and tuples stay apart: mlx-lm's `from_state` setters rely on which is which (an
     `ArraysCache` assigns into its list)."""
     if isinstance(tree, mx.array):
-        return {"a": _host(tree, f"{prefix}.{len(tensors)}", tensors, bf16)}
+        return {"a": _name(tree, f"{prefix}.{len(arrays)}", arrays, bf16)}
     if isinstance(tree, (list, tuple)):
-        return {"l" if isinstance(tree, list) else "t": [_layout(t, prefix, tensors, bf16) for t in tree]}
+        return {"l" if isinstance(tree, list) else "t": [_layout(t, prefix, arrays, bf16) for t in tree]}
     return {"s": tree}
 
 
-def to_host(snap: Snapshot) -> HostEntry:
-    """MLX thread: numpy views of the snapshot's arrays (no copy) and the layer layout."""
-    tensors: dict[str, np.ndarray] = {"tokens": snap.tokens}
+def _started(arrays: dict[str, Any], meta: dict[str, Any]) -> Prepared:
+    mx.async_eval([a for a in arrays.values() if isinstance(a, mx.array)])
+    return Prepared(arrays, meta)
+
+
+def prepare_block(block: Block) -> Prepared:
+    """MLX thread: a block's arrays named for storage, started, not waited for."""
+    arrays: dict[str, Any] = {"tokens": block.tokens}
     bf16: list[str] = []
-    layers = [{"cls": layer.cls, "state": _layout(layer.slots, str(i), tensors, bf16)}
-              for i, layer in enumerate(snap.layers)]
-    meta = {"version": keys.FORMAT_VERSION, "trimmable": snap.trimmable, "layers": layers, "bf16": bf16}
-    return HostEntry(tensors, meta)
+    for g, x in enumerate(block.arrays):
+        if block.quant is None:
+            _name(x, f"g{g}", arrays, bf16)
+        else:
+            for part, name in zip(x, ("q", "s", "b")):
+                _name(part, f"g{g}.{name}", arrays, bf16)
+    meta = {"version": keys.FORMAT_VERSION, "kind": "block", "digest": block.digest.hex(),
+            "parent": None if block.parent is None else block.parent.hex(), "layout": block.layout.as_json(),
+            "quant": None if block.quant is None else list(block.quant), "bf16": bf16}
+    return _started(arrays, meta)
+
+
+def prepare_state(state: ExactState) -> Prepared:
+    """MLX thread: an exact state's arrays named for storage, started, not waited for."""
+    arrays: dict[str, Any] = {}
+    bf16: list[str] = []
+    layers = [{"index": i, "cls": layer.cls, "state": _layout(layer.slots, str(i), arrays, bf16)}
+              for i, layer in state.layers]
+    meta = {"version": keys.FORMAT_VERSION, "kind": "state", "digest": state.digest.hex(),
+            "num_tokens": state.num_tokens, "num_layers": state.num_layers, "layers": layers, "bf16": bf16}
+    return _started(arrays, meta)
+
+
+def to_host(prepared: Prepared) -> HostEntry:
+    """MLX thread, after the arrays are computed: numpy views of them (no copy, no wait)."""
+    return HostEntry({k: a if isinstance(a, np.ndarray) else np.asarray(a) for k, a in prepared.arrays.items()},
+                     prepared.meta)
 
 
 def encode(entry: HostEntry, fingerprint: str) -> bytes:
@@ -116,19 +158,70 @@ def _header_meta(data: bytes) -> dict[str, Any]:
     return meta
 
 
-def decode(data: bytes, fingerprint: str) -> HostEntry:
-    """Parse and validate stored bytes; raise CorruptEntry for anything not exactly right."""
+def _checked(data: bytes, fingerprint: str, kind: str, digest: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    meta = _header_meta(data)
+    if meta.get("version") != keys.FORMAT_VERSION or meta.get("fingerprint") != fingerprint:
+        raise CorruptEntry("entry of another format or model")
+    if meta.get("kind") != kind or meta.get("digest") != digest.hex():
+        raise CorruptEntry(f"not the {kind} stored under this key")
+    return stn.load(data), meta
+
+
+def _array(tensors: dict[str, np.ndarray], meta: dict[str, Any], name: str) -> mx.array:
+    a = mx.array(tensors[name])
+    return mx.view(a, mx.bfloat16) if name in meta["bf16"] else a
+
+
+def decode_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) -> Block:
+    """Parse and validate a stored block; raise CorruptEntry for anything not exactly right."""
     try:
-        meta = _header_meta(data)
-        if meta.get("version") != keys.FORMAT_VERSION or meta.get("fingerprint") != fingerprint:
-            raise CorruptEntry("entry of another format or model")
-        tensors = stn.load(data)
-        _validate(tensors, meta)
+        tensors, meta = _checked(data, fingerprint, "block", digest)
+        tokens = tensors["tokens"]
+        if tokens.shape != (block_size,) or tokens.dtype != np.int64:
+            raise CorruptEntry("bad tokens")
+        layout = Layout.from_json(meta["layout"])
+        quant = None if meta["quant"] is None else (int(meta["quant"][0]), int(meta["quant"][1]))
+        arrays: list[Any] = []
+        for g, group in enumerate(layout.groups):
+            names = [f"g{g}"] if quant is None else [f"g{g}.q", f"g{g}.s", f"g{g}.b"]
+            parts = [tensors[name] for name in names]
+            if any(p.ndim != 4 or p.shape[:3] != (len(group), parts[0].shape[1], block_size) for p in parts):
+                raise CorruptEntry("array shape does not match the layout")
+            xs = tuple(_array(tensors, meta, name) for name in names)
+            arrays.append(xs[0] if quant is None else xs)
+        parent = meta["parent"]
+        parent_digest = None if parent is None else bytes.fromhex(parent)
     except CorruptEntry:
         raise
     except Exception as e:  # malformed JSON, truncated tensors, missing names, bad shapes...
         raise CorruptEntry(f"{type(e).__name__}: {e}") from e
-    return HostEntry(tensors, meta)
+    mx.eval([x for x in leaves(arrays)])
+    nbytes = sum(x.nbytes for x in leaves(arrays)) + tokens.nbytes
+    return Block(digest, parent_digest, np.array(tokens), layout, tuple(arrays), quant, nbytes)
+
+
+def decode_state(data: bytes, fingerprint: str, digest: bytes) -> ExactState:
+    """Parse and validate a stored exact state; raise CorruptEntry for anything not exactly right."""
+    try:
+        tensors, meta = _checked(data, fingerprint, "state", digest)
+        n, num_layers = int(meta["num_tokens"]), int(meta["num_layers"])
+        layers = []
+        for layer in meta["layers"]:
+            cls, index = layer["cls"], int(layer["index"])
+            if cls not in CACHE_CLASSES or not 0 <= index < num_layers:
+                raise CorruptEntry(f"unknown class {cls} or layer {index}")
+            state = _tree(layer["state"], tensors.__getitem__)
+            if not isinstance(state, tuple) or any(length != n for length in layer_lengths(cls, state)):
+                raise CorruptEntry("offset does not match tokens")
+            cut_layer(cls, state, n, _exact_rows)
+            layers.append((index, LayerSnapshot(cls, _tree(layer["state"], lambda name: _array(tensors, meta, name)))))
+    except CorruptEntry:
+        raise
+    except Exception as e:
+        raise CorruptEntry(f"{type(e).__name__}: {e}") from e
+    arrays = [x for _, layer in layers for x in leaves(layer.slots)]
+    mx.eval(arrays)
+    return ExactState(digest, n, num_layers, tuple(layers), sum(a.nbytes for a in arrays))
 
 
 def _tree(node: Any, leaf: Callable[[str], Any]) -> Any:
@@ -150,40 +243,3 @@ def _exact_rows(x: np.ndarray, rows: int | None) -> np.ndarray:
     if rows is not None and x.shape[-2] != rows:
         raise CorruptEntry("array length does not match tokens")
     return x
-
-
-def _validate(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-    """Every layer a known class whose recorded lengths and token rows match the tokens, and the
-    trimmable flag what the layers say (a wrong flag would serve state at a wrong length)."""
-    tokens = tensors["tokens"]
-    if tokens.ndim != 1 or tokens.dtype != np.int64 or tokens.shape[0] == 0:
-        raise CorruptEntry("bad tokens")
-    n = int(tokens.shape[0])
-    trimmable = True
-    for layer in meta["layers"]:
-        cls = layer["cls"]
-        if cls not in CACHE_CLASSES:
-            raise CorruptEntry(f"unknown class {cls}")
-        state = _tree(layer["state"], tensors.__getitem__)
-        if not isinstance(state, tuple) or any(length != n for length in layer_lengths(cls, state)):
-            raise CorruptEntry("offset does not match tokens")
-        cut_layer(cls, state, n, _exact_rows)
-        trimmable = trimmable and is_trimmable(cls, state)
-    if meta["trimmable"] is not trimmable:
-        raise CorruptEntry("trimmable flag does not match the layers")
-
-
-def _device(name: str, entry: HostEntry) -> mx.array:
-    a = mx.array(entry.tensors[name])
-    return mx.view(a, mx.bfloat16) if name in entry.meta["bf16"] else a
-
-
-def from_host(entry: HostEntry) -> Snapshot:
-    """MLX thread: rebuild an evaluated Snapshot from a decoded (validated) entry."""
-    layers = tuple(LayerSnapshot(layer["cls"], _tree(layer["state"], lambda name: _device(name, entry)))
-                   for layer in entry.meta["layers"])
-    arrays = [a for layer in layers for a in leaves(layer.slots)]
-    mx.eval(*arrays)
-    tokens = np.array(entry.tokens, dtype=np.int64)
-    nbytes = sum(a.nbytes for a in arrays) + tokens.nbytes
-    return Snapshot(tokens, layers, nbytes, bool(entry.meta["trimmable"]))

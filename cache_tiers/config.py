@@ -15,11 +15,11 @@ class CacheConfig:
     ram_fraction: float = 0.1
     ssd_dir: str | None = None  # None: no SSD tier
     ssd_bytes: int = 8 * 2**30
-    block_size: int = 64  # tokens per hash-chain block on the SSD tier
+    block_size: int = 64  # tokens per block: the unit both tiers store, share and evict
     # Shorter prefixes are recomputed, not restored. 16 serves the chat template's default system
     # prompt (SmolLM2: 24 tokens) from the cache, as mlx_lm.server does.
     min_restore_tokens: int = 16
-    write_queue: int = 64
+    write_queue: int = 4096  # blocks and states waiting for the SSD writer, at most (and 1 GiB)
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
     quantize_min_tokens: int = 256

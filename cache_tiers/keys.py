@@ -1,10 +1,15 @@
-"""Keys of the SSD tier: a hash chain over fixed token blocks, seeded by model and format.
+"""Keys of the prefix store: a hash chain over fixed token blocks, seeded by model, format and salt.
 
 Why a chain: the key of block k depends on every token before it, so one string names a whole
 prefix, and all prefixes of a prompt are named by walking its blocks once (O(len) hashing, no
 per-prefix rehash). Why a seed: state computed by another model (or written in an older layout)
 must never be served, so the model fingerprint and `FORMAT_VERSION` enter the first hash and
-every key of a different model or format is simply a different key.
+every key of a different model or format is simply a different key. A salt (the request's
+`cache_salt`: its tenant) enters the seed too, as vLLM's `cache_salt` does: two tenants' chains
+never meet, so neither can be served, or time, the other's prefixes.
+
+Both tiers key blocks by their chain digest (content addressing, as vLLM's prefix caching and
+LMCache do): the KV of a block is stored once, however many conversations share it.
 
 The keys are an index, not a proof: a reader still checks the stored token ids against the
 prompt (see codec), so even a hash collision cannot serve wrong state.
@@ -18,14 +23,16 @@ from typing import Sequence
 import numpy as np
 
 # Bump whenever the serialized layout (codec) or the key scheme changes.
-FORMAT_VERSION = 2  # 2: layers as generic state trees (any mlx-lm cache class)
+FORMAT_VERSION = 3  # 3: blocks of KV rows plus exact states at block boundaries (2: whole entries)
 _DIGEST = 16
 
 
-def chain_seed(fingerprint: str, version: int | None = None) -> bytes:
-    """First link of every chain: binds the keys to one model and one on-disk format."""
+def chain_seed(fingerprint: str, version: int | None = None, salt: str = "") -> bytes:
+    """First link of every chain: binds the keys to one model, one on-disk format and one salt
+    (the empty salt keeps the seed of a store without tenants)."""
     version = FORMAT_VERSION if version is None else version
-    return hashlib.blake2b(f"pomona-kv|{version}|{fingerprint}".encode(), digest_size=_DIGEST).digest()
+    text = f"pomona-kv|{version}|{fingerprint}" + (f"|salt|{salt}" if salt else "")
+    return hashlib.blake2b(text.encode(), digest_size=_DIGEST).digest()
 
 
 def block_chain(tokens: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
@@ -40,16 +47,12 @@ def block_chain(tokens: Sequence[int], block_size: int, seed: bytes) -> list[byt
     return digests
 
 
-def entry_key(digest: bytes) -> str:
-    """Key of a stored entry that ends exactly at the block named by `digest`."""
-    return "e/" + digest.hex()
+def block_key(digest: bytes) -> str:
+    """Key of the KV rows of the block whose chain digest is `digest`."""
+    return "b/" + digest.hex()
 
 
-def marker_key(digest: bytes) -> str:
-    """Key of a marker saying "some entry extends through this block"; its value is that entry's key."""
-    return "m/" + digest.hex()
-
-
-def exact_marker_key(digest: bytes) -> str:
-    """Key of a marker saying "some exact (non-trimmable) entry ends at or past this block"."""
-    return "x/" + digest.hex()
+def state_key(digest: bytes) -> str:
+    """Key of an exact state (the layers that cannot be cut into blocks: a state-space layer's
+    running summary, a rotated window) at the end of the block named by `digest`."""
+    return "s/" + digest.hex()

@@ -1,141 +1,242 @@
-"""RAM tier: a byte-budgeted LRU of snapshots, indexed by a token trie for longest-prefix search.
+"""RAM tier: blocks by chain digest under a byte budget, evicted leaf first, least recently used.
 
-Why not mlx-lm's `LRUPromptCache`: read in mlx-lm 0.32.2, `fetch_nearest_cache` never refreshes an
-entry's position, so its order is insertion order rather than recency; it counts `c.nbytes`, which
-includes the unused 256-row buffer tail; it evicts silently, with no hook to demote to the SSD;
-its exact hit returns the whole cache (mlx-lm then has no token to feed); and it deep-copies on
-every fetch. Here entries are immutable snapshots sliced to their offset, bytes are the bytes
-held, recency is refreshed on every use, and each eviction is handed to `on_evict`.
+Why blocks (and not whole prefixes, as this tier kept before): a conversation's turns share all
+but their last tokens, and so do an agent's sessions with the same system prompt and tools. A
+block is held once whatever the number of conversations that reach it, so the tier's bytes are
+the distinct tokens it holds, and an offer adds only the blocks it lacks.
+
+Why leaf first: a block is useful only with every block before it (its digest names that whole
+prefix). Evicting only blocks no other held block extends keeps what is held prefix-closed: a
+block here implies its whole chain is here, so a lookup walks the chain until the first miss and
+never finds a gap. Among the leaves the least recently used goes first; a hit touches its whole
+chain, root to leaf, so a chain in use is newer than any leaf that is not.
+
+Exact states (a hybrid model's state-space layers at a block boundary) live beside the block they
+end, and leave with it; so do tails (blocks.Tail: an offer's tokens past its last whole block, a
+few per block, RAM only). Each eviction of a block or state is handed to `on_evict` (the SSD tier
+takes what it lacks).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Literal
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .snapshot import Snapshot, usable_length
+from .blocks import Block, ExactState, Tail
 from .stats import TierCounters
-from .trie import TokenTrie
 
-EvictHook = Callable[[Snapshot, bool], None]  # (snapshot, already queued for the SSD)
-InsertResult = Literal["kept", "covered", "too_large"]
+TAILS_PER_BLOCK = 4  # tails kept under one block (most recent): siblings of one conversation
+ROOT_TAILS = 16  # tails of offers shorter than a block (a system prompt alone)
+
+EvictHook = Callable[["Block | ExactState", bool], None]  # (what left, already persisted)
 
 
 @dataclass(eq=False)
-class _Record:
-    serial: int
-    snap: Snapshot
-    persisted: bool  # handed to the SSD tier when offered (write-through)
-    key: tuple[int, ...]
+class _Node:
+    block: Block
+    persisted: bool
+    used: int  # recency stamp
+    children: int = 0
+    state: ExactState | None = None
+    state_persisted: bool = False
+    tails: list[Tail] = field(default_factory=list)  # most recent last
 
 
-@dataclass(frozen=True)
-class RamMatch:
-    snap: Snapshot
-    num_tokens: int  # prompt tokens it can serve (already capped at len - 1)
-
-
+@dataclass
 class RamTier:
-    def __init__(self, budget_bytes: int, on_evict: EvictHook | None = None) -> None:
-        self.budget = budget_bytes
-        self.on_evict = on_evict
-        self.counters = TierCounters()
-        self._trie: TokenTrie[_Record] = TokenTrie()
-        self._lru: OrderedDict[int, _Record] = OrderedDict()
-        self._serials = itertools.count()
-        self.nbytes = 0
+    budget: int
+    on_evict: EvictHook | None = None
+    counters: TierCounters = field(default_factory=TierCounters)
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self._nodes: dict[bytes, _Node] = {}
+        self._leaves: list[tuple[int, bytes]] = []  # heap of (used, digest); stale entries skipped
+        self._clock = itertools.count(1)
+        self._root_tails: list[Tail] = []
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._nodes)
 
-    def find(self, tokens: np.ndarray) -> RamMatch | None:
-        """The entry serving the most of `tokens`; exact-length prefixes win ties (no trim)."""
-        n = len(tokens)
-        path, depth, node = self._trie.walk(tokens.tolist())
-        best: RamMatch | None = None
-        for _, rec in reversed(path):
-            usable = usable_length(rec.snap, rec.snap.num_tokens, n)
-            if usable > 0:
-                best = RamMatch(rec.snap, usable)
-                self._touch(rec)
+    @property
+    def states(self) -> int:
+        return sum(1 for node in self._nodes.values() if node.state is not None)
+
+    # -- lookups --------------------------------------------------------------------------------
+    def reach(self, chain: Sequence[bytes]) -> int:
+        """How many leading blocks of `chain` are held (prefix-closed: the first miss ends it)."""
+        k = 0
+        for digest in chain:
+            if digest not in self._nodes:
                 break
-        reach = min(depth, n - 1)
-        if reach > (best.num_tokens if best else 0):
-            rec = self._trie.find_below(node, lambda r: r.snap.trimmable)
-            if rec is not None:
-                best = RamMatch(rec.snap, reach)
-                self._touch(rec)
+            k += 1
+        return k
+
+    def state_at(self, digest: bytes) -> ExactState | None:
+        node = self._nodes.get(digest)
+        return None if node is None else node.state
+
+    def blocks(self, chain: Sequence[bytes]) -> list[Block]:
+        """The held blocks of `chain` (all must be held), touched root to leaf."""
+        out = []
+        for digest in chain:
+            node = self._nodes[digest]
+            self._touch(node)
+            out.append(node.block)
+        return out
+
+    # -- insertion ------------------------------------------------------------------------------
+    def add(self, block: Block, persisted: bool) -> bool:
+        """Hold `block` (its parent must be held: the tier stays prefix-closed); False when it does
+        not fit at all. A block already held is only touched (stored once)."""
+        node = self._nodes.get(block.digest)
+        if node is not None:
+            node.persisted = node.persisted or persisted
+            self._touch(node)
+            return True
+        if block.parent is not None and block.parent not in self._nodes:
+            self.counters.rejected += 1
+            return False
+        if block.nbytes > self.budget:
+            self.counters.rejected += 1
+            return False
+        node = _Node(block, persisted, next(self._clock))
+        self._nodes[block.digest] = node
+        if block.parent is not None:
+            self._nodes[block.parent].children += 1
+        self.nbytes += block.nbytes
+        heapq.heappush(self._leaves, (node.used, block.digest))
+        self._enforce_budget(keep=block.digest)
+        return block.digest in self._nodes
+
+    def add_state(self, state: ExactState, persisted: bool) -> bool:
+        """Hold an exact state beside the block it ends (which must be held)."""
+        node = self._nodes.get(state.digest)
+        if node is None or state.nbytes > self.budget:
+            self.counters.rejected += 1
+            return False
+        if node.state is not None:
+            node.state_persisted = node.state_persisted or persisted
+            self._touch(node)
+            return True
+        node.state, node.state_persisted = state, persisted
+        self.nbytes += state.nbytes
+        self._touch(node)
+        self._enforce_budget(keep=state.digest)
+        return state.digest in self._nodes
+
+    def add_tail(self, tail: Tail) -> bool:
+        """Hold `tail` under its block (which must be held). A tail it extends is dropped (a KV
+        tail serves any shorter prefix; an exact one only its own length, so only an equal one)."""
+        if tail.parent is None:
+            tails = self._root_tails
+        else:
+            node = self._nodes.get(tail.parent)
+            if node is None:
+                return False
+            tails = node.tails
+            self._touch(node)
+        for old in list(tails):
+            covered = len(old.tokens) <= len(tail.tokens) and np.array_equal(old.tokens, tail.tokens[:len(old.tokens)])
+            if covered and (tail.state is None or len(old.tokens) == len(tail.tokens)):
+                tails.remove(old)
+                self.nbytes -= old.nbytes
+        tails.append(tail)
+        self.nbytes += tail.nbytes
+        while len(tails) > (ROOT_TAILS if tail.parent is None else TAILS_PER_BLOCK):
+            self.nbytes -= tails.pop(0).nbytes
+        self._enforce_budget(keep=tail.parent)
+        return True
+
+    def best_tail(self, parent: bytes | None, rest: np.ndarray, limit: int) -> tuple[Tail, int] | None:
+        """The tail under `parent` serving the most of `rest` (the prompt past the block), at most
+        `limit` tokens: a KV tail any common prefix, one with an exact state only its whole length."""
+        tails = self._root_tails if parent is None else getattr(self._nodes.get(parent), "tails", [])
+        best: tuple[Tail, int] | None = None
+        for tail in tails:
+            m = min(len(tail.tokens), len(rest), limit)
+            diff = np.flatnonzero(tail.tokens[:m] != rest[:m])
+            common = int(diff[0]) if diff.size else m
+            rows = common if tail.state is None else (len(tail.tokens) if common == len(tail.tokens) else 0)
+            if rows > 0 and (best is None or rows > best[1]):
+                best = (tail, rows)
         return best
 
-    def insert(self, snap: Snapshot, persisted: bool = False) -> InsertResult:
-        """Keep `snap` unless a longer trimmable entry already covers it ("covered") or it alone
-        exceeds the budget ("too_large"). Shorter entries a trimmable `snap` covers are dropped:
-        serving them from `snap` costs one slice, keeping them costs their bytes."""
-        key = tuple(snap.tokens.tolist())
-        path, depth, node = self._trie.walk(key)
-        if depth == len(key):
-            covering = self._trie.find_below(node, lambda r: r.snap.trimmable and r.key != key)
-            if covering is not None:
-                self._touch(covering)
-                self.counters.superseded += 1
-                return "covered"
-        if snap.nbytes > self.budget:
-            self.counters.rejected += 1
-            return "too_large"
-        if snap.trimmable:
-            for _, rec in path:
-                if rec.key != key:
-                    self._drop(rec)
-                    self.counters.superseded += 1
-        rec = _Record(next(self._serials), snap, persisted, key)
-        prev = self._trie.add(key, rec)
-        if prev is not None:
-            self._forget(prev)
-            rec.persisted = rec.persisted or prev.persisted
-        self._lru[rec.serial] = rec
-        self.nbytes += snap.nbytes
-        self._enforce_budget()
-        return "kept"
+    # -- reports --------------------------------------------------------------------------------
+    def recent_chains(self, limit: int) -> list[np.ndarray]:
+        """Token ids of up to `limit` held chains, ending at the most recently used leaves first:
+        what a request router needs to know this replica holds."""
+        leaves = sorted((node for node in self._nodes.values() if node.children == 0),
+                        key=lambda node: -node.used)[:max(0, limit)]
+        return [self._tokens(node) for node in leaves]
 
-    def recent_tokens(self, limit: int) -> list[np.ndarray]:
-        """Token ids of up to `limit` entries, most recently used first: what a request router
-        needs to know this replica holds (the routing stats report their block hashes)."""
-        return [rec.snap.tokens for rec in itertools.islice(reversed(self._lru.values()), max(0, limit))]
+    def _tokens(self, node: _Node) -> np.ndarray:
+        parts = [node.block.tokens]
+        while node.block.parent is not None:
+            node = self._nodes[node.block.parent]
+            parts.append(node.block.tokens)
+        return np.concatenate(parts[::-1])
 
-    def unpersisted(self) -> list[Snapshot]:
-        """Entries never handed to the SSD (flushed there at close so a restart finds them)."""
-        return [r.snap for r in self._lru.values() if not r.persisted]
+    def unpersisted(self) -> Iterator[Block | ExactState]:
+        """What was never handed to the SSD (written there at close; order does not matter there:
+        its rows are content-addressed and a reader stops at the first gap)."""
+        for node in sorted(self._nodes.values(), key=lambda nd: nd.used):
+            if not node.persisted:
+                yield node.block
+            if node.state is not None and not node.state_persisted:
+                yield node.state
 
+    # -- budget ---------------------------------------------------------------------------------
     def resize(self, budget_bytes: int) -> None:
         """New byte budget (e.g. when running requests need memory); evicts, and so demotes, down to it."""
         self.budget = budget_bytes
         self._enforce_budget()
 
     def clear(self) -> None:
-        self._trie.clear()
-        self._lru.clear()
+        self._nodes.clear()
+        self._leaves.clear()
+        self._root_tails.clear()
         self.nbytes = 0
 
-    def _enforce_budget(self) -> None:
-        while self.nbytes > self.budget and self._lru:
-            _, rec = self._lru.popitem(last=False)
-            self._trie.remove(rec.key)
-            self.nbytes -= rec.snap.nbytes
-            self.counters.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(rec.snap, rec.persisted)
+    def _enforce_budget(self, keep: bytes | None = None) -> None:
+        held: list[tuple[int, bytes]] = []
+        while self.nbytes > self.budget and self._leaves:
+            used, digest = heapq.heappop(self._leaves)
+            node = self._nodes.get(digest)
+            if node is None or node.used != used or node.children:
+                continue  # stale heap entry: touched since, evicted, or no longer a leaf
+            if digest == keep and len(self._nodes) > 1:
+                held.append((used, digest))  # the block being added goes last
+                continue
+            self._evict(node)
+        for item in held:
+            heapq.heappush(self._leaves, item)
+        if self.nbytes > self.budget and keep in self._nodes:
+            self._evict(self._nodes[keep])
 
-    def _touch(self, rec: _Record) -> None:
-        self._lru.move_to_end(rec.serial)
+    def _evict(self, node: _Node) -> None:
+        block = node.block
+        del self._nodes[block.digest]
+        self.nbytes -= block.nbytes
+        self.counters.evictions += 1
+        if node.state is not None:
+            self.nbytes -= node.state.nbytes
+        self.nbytes -= sum(t.nbytes for t in node.tails)
+        if block.parent is not None:
+            parent = self._nodes[block.parent]
+            parent.children -= 1
+            if parent.children == 0:  # a leaf now: it may go next
+                heapq.heappush(self._leaves, (parent.used, parent.block.digest))
+        if self.on_evict is not None:
+            self.on_evict(block, node.persisted)
+            if node.state is not None:
+                self.on_evict(node.state, node.state_persisted)
 
-    def _forget(self, rec: _Record) -> None:
-        self._lru.pop(rec.serial, None)
-        self.nbytes -= rec.snap.nbytes
-
-    def _drop(self, rec: _Record) -> None:
-        self._trie.remove(rec.key)
-        self._forget(rec)
+    def _touch(self, node: _Node) -> None:
+        node.used = next(self._clock)
+        if node.children == 0:
+            heapq.heappush(self._leaves, (node.used, node.block.digest))

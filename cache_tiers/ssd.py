@@ -1,29 +1,24 @@
-"""SSD tier: entries at block boundaries in a diskcache directory, written behind by one thread.
+"""SSD tier: blocks and exact states by chain digest in a diskcache directory, written behind.
 
-Layout. An entry covering k blocks is stored under `entry_key(chain[k-1])`; alongside, a small
-marker `marker_key(chain[j-1]) -> entry key` for every j <= k says "an entry extends through
-block j". Entries are written only at block boundaries (a trimmable cache is cut down to the
-largest multiple of block_size; a non-trimmable one that is not aligned is not stored).
+Layout. Block k of a chain is the row `block_key(chain[k-1])`; an exact state ending there is
+`state_key(chain[k-1])`. Rows are content-addressed: a block is written once whoever offers it
+(two replicas sharing a directory included: the second finds it there and skips the write), so a
+conversation's next turn writes its new blocks only, and the directory's bytes are the distinct
+tokens it holds.
 
-Exact entries. A non-trimmable entry (a hybrid model's state-space layers, a rotated cache)
-serves only prompts that extend all of its k blocks, so "extends through block j" markers would
-point prompts that diverge inside it at an entry they cannot use, hiding shorter entries that
-would serve. Such an entry gets `exact_marker_key(chain[j-1])` markers instead, saying "an exact
-entry lies at or past block j"; they are monotone too. A probe binary-searches them for the last
-block J any exact entry reaches along the prompt, then asks for entry keys from J down (at most
-`EXACT_PROBES`): the first that exists ends on the prompt's own chain and serves it.
+Probe. Block presence along a prompt's chain is (up to independent LRU eviction) monotone: a
+block is offered only with every block before it. The longest stored run is found by binary
+search with `contains` (no value read, no LRU write): ~log2(len/block_size) + 1 SQLite lookups.
+A gap left by eviction can only make a load stop early, never serve wrong state: the load reads
+the blocks in order, checks each one's tokens and parent against the prompt, and stops at the
+first block that is missing or damaged (the prefix before it is still served). Exact states are
+asked for from the longest run down (at most `EXACT_PROBES` lookups).
 
-Probe. Marker presence is (up to independent LRU eviction) monotone along a prompt's chain: if a
-marker exists at block j, one exists at every block before it. So the longest stored prefix is
-found by binary search over chain positions with `contains` (no value read, no LRU write):
-~log2(len/block_size) + 1 SQLite lookups, e.g. 6 for a 2,000-token prompt with 64-token blocks,
-against up to 31 when probing from the longest down. A gap left by eviction can only make the
-answer shorter, never wrong. The entry a marker names may extend past the prompt and is trimmed,
-so a stored conversation serves every prompt that shares a block prefix with it. Stored token
-ids are compared with the prompt before use: a hash collision or stale marker is a miss.
-
-Threads. `find`, `offer`, `clear` run on the engine's MLX thread; the writer thread only
-serializes numpy views (`codec.encode`) and calls `Storage`; it never calls MLX.
+Threads. `offer`, `tick`, `probe`, `load`, `clear` run on the engine's MLX thread. An offer only
+names the new rows' arrays and starts them (`codec.prepare_*`); `tick`, once per engine step,
+hands the rows offered before the previous step to the writer as numpy views (their arrays are
+computed by then: no wait), so no offer makes a step wait for the device or the disk. The writer
+thread serializes (`codec.encode`) and calls `Storage`; it never calls MLX.
 """
 
 from __future__ import annotations
@@ -31,190 +26,199 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Sequence
 
 import numpy as np
 
 from . import codec
-from .keys import block_chain, chain_seed, entry_key, exact_marker_key, marker_key
-from .snapshot import Snapshot, common_prefix, truncate, usable_length
+from .blocks import Block, ExactState
+from .keys import block_key, state_key
 from .stats import TierCounters
 from .storage import Storage, UnsafeRow, is_disk_full
 
 log = logging.getLogger(__name__)
 
-# Entry keys asked for below the last exact marker, at most: with checkpoints every 1,024 tokens
-# and 64-token blocks one lies within 16 blocks; this bounds a probe over stale markers.
+# State keys asked for below the longest block run, at most: with checkpoints every 1,024 tokens
+# and 64-token blocks one lies within 16 blocks; this bounds a probe over a long chain.
 EXACT_PROBES = 64
 
 
 @dataclass(frozen=True)
-class SsdMatch:
-    snap: Snapshot  # the whole stored entry (promoted to RAM as is)
-    num_tokens: int  # prompt tokens it can serve
+class _Pending:
+    key: str
+    prepared: codec.Prepared
+    tick: int  # the step it was offered in
 
 
 @dataclass(frozen=True)
 class _Write:
     key: str
-    markers: tuple[str, ...]
     entry: codec.HostEntry
 
 
 class SsdTier:
     def __init__(self, storage: Storage, fingerprint: str, block_size: int,
-                 queue_items: int = 64, queue_bytes: int = 2**30) -> None:
+                 queue_items: int = 4096, queue_bytes: int = 2**30) -> None:
         self.storage = storage
         self.fingerprint = fingerprint
         self.block_size = block_size
-        self.seed = chain_seed(fingerprint)
         self.counters = TierCounters()
         self.writes_enabled = True
+        self.bytes_written = 0  # serialized bytes the writer stored (what the disk paid)
         self.stats_errors = 0  # stats() calls that could not size the directory
-        self.lost_files = 0  # entries whose row was there but whose file was gone
+        self.lost_files = 0  # rows that were there but whose file was gone
         self._stats_failing = False
+        self._queue_items = max(1, queue_items)
         self._queue_bytes = queue_bytes
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # offered, not yet written (pending + queued)
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=max(1, queue_items))
+        self._pending: deque[_Pending] = deque()
+        self._tick = 0
+        self._queue: queue.Queue[_Write | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pomona-ssd-writer", daemon=True)
         self._writer.start()
 
     # ---- MLX thread -------------------------------------------------------------------------
 
-    def offer(self, snap: Snapshot, block: bool = False) -> bool:
-        """Queue `snap` (cut to a block boundary) for writing; False if not queued. Only `close`
-        blocks: the engine's thread must never wait for the disk."""
+    def offer(self, item: Block | ExactState) -> bool:
+        """Name `item`'s arrays for writing and start them; False if not taken (writes disabled,
+        or the backlog is full: the RAM tier then keeps it as not persisted and demotes it later)."""
         if not self.writes_enabled:
             return False
-        k = snap.num_tokens // self.block_size
-        if k == 0 or (k * self.block_size != snap.num_tokens and not snap.trimmable):
-            self.counters.rejected += 1
-            return False
-        snap = truncate(snap, k * self.block_size)
-        chain = block_chain(snap.tokens, self.block_size, self.seed)
-        marker = marker_key if snap.trimmable else exact_marker_key
-        item = _Write(entry_key(chain[-1]), tuple(marker(d) for d in chain), codec.to_host(snap))
-        size = item.entry.nbytes
+        prepared = codec.prepare_block(item) if isinstance(item, Block) else codec.prepare_state(item)
+        size = prepared.nbytes
         with self._lock:
-            if not block and self._pending_bytes and self._pending_bytes + size > self._queue_bytes:
+            backlog = len(self._pending) + self._queue.qsize()
+            if backlog >= self._queue_items or (self._pending_bytes and self._pending_bytes + size > self._queue_bytes):
                 self.counters.write_drops += 1
                 return False
             self._pending_bytes += size
-        try:
-            self._queue.put(item, block=block)
-        except queue.Full:
-            with self._lock:
-                self._pending_bytes -= size
-            self.counters.write_drops += 1
-            return False
+        key = block_key(item.digest) if isinstance(item, Block) else state_key(item.digest)
+        self._pending.append(_Pending(key, prepared, self._tick))
         return True
 
-    def find(self, tokens: np.ndarray, min_blocks: int = 1) -> SsdMatch | None:
-        """The stored entry serving the longest prefix of `tokens` from block `min_blocks` up."""
-        return self.load(tokens, self.probe(tokens, min_blocks))
+    def tick(self, drain: bool = False) -> None:
+        """Once per engine step: hand what was offered before this step to the writer (its arrays
+        are computed by now); with `drain`, everything (an idle engine, close)."""
+        while self._pending and (drain or self._pending[0].tick < self._tick):
+            item = self._pending.popleft()
+            self._queue.put(_Write(item.key, codec.to_host(item.prepared)))
+        self._tick += 1
 
-    def probe(self, tokens: np.ndarray, min_blocks: int = 1) -> int:
-        """How many leading blocks of `tokens` a stored entry extends through (0: none), from
-        `min_blocks` up. Reads markers only: the scheduler may ask before deciding to admit."""
-        chain = block_chain(tokens, self.block_size, self.seed)
+    def probe(self, chain: Sequence[bytes], lo: int, exact: bool | None, floor: int) -> tuple[int, int]:
+        """(how far a run of blocks reaches along the chain when the SSD continues one held up to
+        block `lo - 1` (RAM's): `lo - 1` if it does not; the deepest stored exact state above
+        block `floor` within that reach, 0 if none). `exact` False: the model has no exact
+        layers, skip that search; None: not known yet. Reads markers only, copies nothing."""
         try:
-            lo = max(1, min_blocks)
-            cut = self._longest_marker(chain, lo, marker_key)
-            return max(cut, self._longest_exact(chain, max(lo, cut + 1), len(tokens)))
+            run = max(lo - 1, self._longest_run(chain, max(1, lo)))
+            state = 0
+            if exact is not False:
+                for k in range(run, max(floor, run - EXACT_PROBES), -1):
+                    if self.storage.contains(state_key(chain[k - 1])):
+                        state = k
+                        break
+            return run, state
         except Exception as e:  # a failing disk must never fail a request
             self.counters.read_errors += 1
             log.warning("prefix cache: SSD read failed: %s", e)
+            return 0, 0
+
+    def _longest_run(self, chain: Sequence[bytes], lo: int) -> int:
+        best, hi = 0, len(chain)
+        if lo > hi or not self.storage.contains(block_key(chain[lo - 1])):
             return 0
-
-    def load(self, tokens: np.ndarray, blocks: int) -> SsdMatch | None:
-        """Read the entry a probe found through `blocks` blocks (None: gone since, or damaged)."""
-        if blocks == 0:
-            return None
-        chain = block_chain(tokens[:blocks * self.block_size], self.block_size, self.seed)
-        try:
-            return self._load(chain[blocks - 1], blocks, tokens)
-        except Exception as e:  # a failing disk must never fail a request
-            self.counters.read_errors += 1
-            log.warning("prefix cache: SSD read failed: %s", e)
-            return None
-
-    def _longest_marker(self, chain: list[bytes], lo: int, key: Callable[[bytes], str],
-                        hi: int | None = None) -> int:
-        best, hi = 0, len(chain) if hi is None else hi
+        best, lo = lo, lo + 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            if self.storage.contains(key(chain[mid - 1])):
+            if self.storage.contains(block_key(chain[mid - 1])):
                 best, lo = mid, mid + 1
             else:
                 hi = mid - 1
         return best
 
-    def _longest_exact(self, chain: list[bytes], lo: int, prompt_len: int) -> int:
-        """The most blocks an exact entry on this chain covers, from `lo` up, leaving at least one
-        prompt token to feed (0: none). One lookup when there are no exact entries at all."""
-        hi = min(len(chain), (prompt_len - 1) // self.block_size)
-        if lo > hi or not self.storage.contains(exact_marker_key(chain[lo - 1])):
-            return 0
-        reach = self._longest_marker(chain, lo, exact_marker_key, hi)
-        for k in range(reach, max(lo, reach - EXACT_PROBES + 1) - 1, -1):
-            if self.storage.contains(entry_key(chain[k - 1])):
-                return k
-        return 0
+    def load_blocks(self, chain: Sequence[bytes], tokens: np.ndarray, first: int, last: int) -> list[Block]:
+        """Blocks `first` .. `last - 1` of the chain, read in order; stops at the first one that
+        is missing, damaged or not this prompt's (the ones before it are still good)."""
+        out: list[Block] = []
+        bs = self.block_size
+        for j in range(first, last):
+            key = block_key(chain[j])
+            try:
+                data = self.storage.get(key)
+                if data is None:
+                    self._drop_unreadable(key)
+                    break
+                block = codec.decode_block(data, self.fingerprint, chain[j], bs)
+            except (codec.CorruptEntry, UnsafeRow) as e:
+                self._corrupt(key, e)
+                break
+            except Exception as e:  # a failing disk must never fail a request
+                self.counters.read_errors += 1
+                log.warning("prefix cache: SSD read failed: %s", e)
+                break
+            if block.parent != (chain[j - 1] if j else None) or not np.array_equal(block.tokens,
+                                                                                  tokens[j * bs:(j + 1) * bs]):
+                self._corrupt(key, codec.CorruptEntry("a block of another prefix under this key"))
+                break
+            out.append(block)
+        return out
 
-    def _load(self, digest: bytes, blocks: int, tokens: np.ndarray) -> SsdMatch | None:
-        mkey: str | None = marker_key(digest)
-        bad = mkey  # the row to delete if what is read turns out damaged
+    def load_state(self, digest: bytes) -> ExactState | None:
+        key = state_key(digest)
         try:
-            ekey = _named_entry(self.storage.get(mkey), len(digest))
-            if ekey is None:  # no entry to cut here: an exact entry ends here, or none does any more
-                mkey, ekey = None, entry_key(digest)
-            bad = ekey
-            data = self.storage.get(ekey)
+            data = self.storage.get(key)
             if data is None:
-                self._drop_unreadable(mkey, ekey)
+                self._drop_unreadable(key)
                 return None
-            entry = codec.decode(data, self.fingerprint)
+            return codec.decode_state(data, self.fingerprint, digest)
         except (codec.CorruptEntry, UnsafeRow) as e:
-            self.counters.corrupt += 1
-            log.warning("prefix cache: deleting corrupt SSD row %s: %s", bad, e)
-            self.storage.delete(bad)
-            return None
-        common = common_prefix(entry.tokens, tokens)
-        if common < blocks * self.block_size:  # collision or stale marker: never serve
-            self.storage.delete(mkey or ekey)
-            return None
-        snap = codec.from_host(entry)
-        usable = usable_length(snap, common, len(tokens))
-        return SsdMatch(snap, usable) if usable > 0 else None
+            self._corrupt(key, e)
+        except Exception as e:
+            self.counters.read_errors += 1
+            log.warning("prefix cache: SSD read failed: %s", e)
+        return None
 
-    def _drop_unreadable(self, mkey: str | None, ekey: str) -> None:
-        """An entry that reads as nothing: evicted (a normal, stale marker; an exact entry has no
-        marker of its own), or a row whose file is gone (the directory was deleted or its files
-        removed): a fault, counted."""
-        if self.storage.contains(ekey):
+    def _corrupt(self, key: str, e: Exception) -> None:
+        self.counters.corrupt += 1
+        log.warning("prefix cache: deleting corrupt SSD row %s: %s", key, e)
+        try:
+            self.storage.delete(key)
+        except Exception as exc:
+            log.warning("prefix cache: cannot delete %s: %s", key, exc)
+
+    def _drop_unreadable(self, key: str) -> None:
+        """A row that reads as nothing: evicted since the probe (normal), or a row whose file is
+        gone (the directory was deleted or its files removed): a fault, counted."""
+        if self.storage.contains(key):
             self.lost_files += 1
-            log.warning("prefix cache: the file of SSD entry %s is missing (directory deleted?); "
-                        "dropping the entry", ekey)
-            self.storage.delete(ekey)
-        if mkey is not None:
-            self.storage.delete(mkey)
+            log.warning("prefix cache: the file of SSD row %s is missing (directory deleted?); dropping it", key)
+            self.storage.delete(key)
 
     def flush(self) -> None:
+        """Wait until what has been handed to the writer is on disk (any thread). Offers not yet
+        handed over (the step after theirs does it, or the engine when idle) are not waited for."""
         self._queue.join()
 
     def clear(self) -> None:
         """Empty the directory; a disk that was full has room again, so writes resume."""
+        self.tick(drain=True)
         self.flush()
         self.storage.clear()
         self.writes_enabled = True
 
     def close(self) -> None:
+        self.tick(drain=True)
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
             self.storage.close()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending) + self._queue.qsize()
 
     # ---- writer thread ----------------------------------------------------------------------
 
@@ -235,11 +239,10 @@ class SsdTier:
     def _write(self, item: _Write) -> None:
         try:
             if not self.storage.contains(item.key):
-                self.storage.set(item.key, codec.encode(item.entry, self.fingerprint))
+                data = codec.encode(item.entry, self.fingerprint)
+                self.storage.set(item.key, data)
                 self.counters.writes += 1
-            value = item.key.encode()
-            for m in item.markers:
-                self.storage.set(m, value)
+                self.bytes_written += len(data)
         except Exception as e:
             if is_disk_full(e):
                 self.writes_enabled = False
@@ -249,7 +252,7 @@ class SsdTier:
             self.counters.write_errors += 1
 
     def stats(self) -> dict[str, object]:
-        """Counters plus what the directory holds: `keys` counts entries and their block markers.
+        """Counters plus what the directory holds: `keys` counts blocks and exact states.
 
         A directory that cannot be counted (deleted, unreadable) leaves `keys`/`bytes` out rather
         than reporting a made-up number; `stats_errors` counts those failures (logged once per run
@@ -267,17 +270,6 @@ class SsdTier:
             if self._stats_failing:
                 log.info("prefix cache: the SSD directory's size can be read again")
             self._stats_failing = False
-        return self.counters.as_dict(enabled=True, writes_enabled=self.writes_enabled, queued=self._queue.qsize(),
-                                     queued_bytes=self._pending_bytes,
+        return self.counters.as_dict(enabled=True, writes_enabled=self.writes_enabled, queued=self.backlog,
+                                     queued_bytes=self._pending_bytes, bytes_written=self.bytes_written,
                                      lost_files=self.lost_files, stats_errors=self.stats_errors, **sizes)
-
-
-def _named_entry(marker: bytes | None, digest_size: int) -> str | None:
-    """The entry key a marker's value names; a value that is not an entry key is a damaged row."""
-    if marker is None:
-        return None
-    text = marker.decode("ascii", "replace")
-    hexpart = text[len(entry_key(b"")):]
-    if len(hexpart) != 2 * digest_size or hexpart.strip("0123456789abcdef") or entry_key(bytes.fromhex(hexpart)) != text:
-        raise codec.CorruptEntry(f"a block marker names {text[:80]!r}, not an entry key")
-    return text

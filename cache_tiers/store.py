@@ -5,7 +5,12 @@ SSD writer). Admission asks twice in two different ways, never the same question
 the search (which tier holds how much of a prompt; it copies nothing and counts nothing, so the
 scheduler can plan with it), `restore` is the copy of what the plan admitted, counted as the
 request's one lookup. `offer` hands over state the engine no longer mutates (after a prompt's
-prefill, and at a request's end with prompt + output, so the next chat turn reuses it).
+prefill, and at a request's end with prompt + output, so the next chat turn reuses it). `tick`
+runs once per engine step: work an offer started (device copies, the SSD's host views) is
+finished there a step later, so no offer makes a step wait.
+
+Every call takes the request's `salt` (its tenant, `Request.cache_salt`): state is shared only
+between requests with the same salt.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ class Hit:
 class Match:
     """Where the longest cached prefix of a prompt is, found by `PrefixStore.find`; no copy yet.
 
-    `num_tokens` is what a restore would serve (at most `len(tokens) - 1`; an SSD entry's length
-    is known to the block until it is read). `too_short`: below `min_restore_tokens`, so restoring
+    `num_tokens` is what a restore would serve: whole blocks, at most `len(tokens) - 1` (an SSD
+    row read later may turn out missing: the restore then serves less). `too_short`: below `min_restore_tokens`, so restoring
     it would cost more than it saves; it is kept only so the lookup is counted as such. `source` is
-    the store's own reference (an entry in RAM, a block count on the SSD).
+    the store's own reference (the chain and what each tier holds of it).
     """
 
     num_tokens: int
@@ -52,16 +57,20 @@ class Match:
 
 
 class PrefixStore(Protocol):
-    def find(self, tokens: Sequence[int]) -> Match | None:
+    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
         """Where the longest cached prefix of `tokens` is; copies nothing, counts nothing."""
 
-    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
+    def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
         """A private copy of what `find` found for these `tokens` (None: nothing, too short, or
         gone since); counted as one lookup of `tokens`."""
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
-        """Remember `cache`, which covers exactly `tokens`. The store takes ownership (it copies
-        or slices as it needs); the caller must not mutate `cache` afterwards."""
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
+        """Remember `cache`, which covers exactly `tokens`. The store takes what it lacks (it copies
+        as it needs); the caller must not mutate `cache` afterwards."""
+
+    def tick(self, drain: bool = False) -> None:
+        """Once per engine step (MLX thread): finish what earlier offers started; `drain`: all of it
+        (an idle engine, before a flush)."""
 
     def held_prefixes(self, limit: int = 256) -> list[Any]:
         """Token arrays of the most recently used entries (prefix-affinity routing reports them)."""
@@ -85,13 +94,16 @@ class PrefixStore(Protocol):
 class NullStore:
     """No prefix caching: every lookup misses, offers are dropped."""
 
-    def find(self, tokens: Sequence[int]) -> Match | None:
+    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
         return None
 
-    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
+    def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
         return None
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
+        return None
+
+    def tick(self, drain: bool = False) -> None:
         return None
 
     def held_prefixes(self, limit: int = 256) -> list[Any]:

@@ -1,139 +1,264 @@
-"""The engine's `PrefixStore`: RAM first, then SSD; promote on SSD hits, demote RAM evictions.
+"""The engine's `PrefixStore`: blocks in RAM first, then on the SSD; promote on SSD hits, demote
+RAM evictions the SSD lacks.
 
 Rules, each for a reason:
-- The SSD is probed only when it could serve more than RAM did (it is asked only for block
-  boundaries past the RAM hit), so a full RAM hit costs no disk access.
-- A hit shorter than `min_restore_tokens` is reported as a miss: copying in a few tokens of
-  state saves less than it costs, and a short hit would still make the engine take the slower
+- Everything is keyed by the block chain (keys.py) of the request's salt: one tenant's chain
+  never meets another's, so nothing is shared across salts.
+- An offer cuts only the blocks RAM lacks from the offered cache (blocks.py) and hands each new
+  block to the SSD once (write-through, content-addressed): a conversation's next turn writes its
+  new tokens, not its history, and RAM holds a block once whoever reached it.
+- The SSD is probed only when it could serve more than RAM does (from the block past RAM's run),
+  so a full RAM hit costs no disk access.
+- A hit shorter than `min_restore_tokens` is reported as a miss: copying in a few tokens of state
+  saves less than it costs, and a short hit would still make the engine take the slower
   cache-restore admission path.
-- Offers of finished requests (warm-up prompts included) and checkpoints are written through to the SSD at once
-  (they are what a restart or the next chat turn needs); "prompt" offers, usually superseded by
-  the request's "finished" offer moments later, reach the SSD only when evicted from RAM or at
-  `close`. Evicted entries always go down (the writer skips the bulky write when the entry is
-  already there and only refreshes its markers).
+- A prefix is served in whole blocks plus, from RAM, a tail (the tokens an offer had past its
+  last whole block), and leaves at least one prompt token to feed (mlx-lm needs one). A model
+  with exact layers (hybrid) is served only where an exact state lies: a block boundary, or the
+  end of a tail.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from .quant import QuantPolicy, quantize
+from . import blocks as blk
+from .blocks import Block, ExactState, Tail
+from .keys import block_chain, chain_seed
+from .quant import QuantPolicy
 from .ram import RamTier
-from .snapshot import Snapshot, restore, snapshot
 from .ssd import SsdTier
 from .stats import TierCounters
 from .store import Hit, Match, OfferKind
 
 log = logging.getLogger(__name__)
 
-WRITE_THROUGH: frozenset[str] = frozenset({"finished", "checkpoint"})
+
+@dataclass(frozen=True)
+class _Found:
+    """What `find` saw, for `restore`: the chain, RAM's run, the SSD's run and exact states."""
+
+    chain: tuple[bytes, ...]
+    ram: int  # leading blocks RAM holds
+    ram_state: int  # blocks up to RAM's deepest exact state (exact models), else == ram
+    ssd: int  # leading blocks the SSD holds (0: not asked or none)
+    ssd_state: int  # blocks up to the SSD's deepest exact state (exact models)
+    tail: Tail | None = None  # RAM's tail under block `ram`, serving `tail_rows` more tokens
+    tail_rows: int = 0
 
 
 class TieredStore:
-    def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int,
-                 min_restore_tokens: int, ssd_error: str | None = None,
-                 quant: QuantPolicy | None = None) -> None:
+    def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int, min_restore_tokens: int,
+                 fingerprint: str = "", ssd_error: str | None = None, quant: QuantPolicy | None = None) -> None:
         self.ram = ram
         self.ssd = ssd
         self.block_size = block_size
         self.min_restore_tokens = min_restore_tokens
+        self.fingerprint = fingerprint
         self.ssd_error = ssd_error
         self.quant = quant
         self.totals = TierCounters()
         self.too_short = 0
+        self.blocks_offered = 0  # new blocks cut from offers (what the store paid to copy)
+        self._seeds: dict[str, bytes] = {}
+        # Whether the model has exact (uncuttable) layers: learned from the first offer or block
+        # read; until then the SSD probe also asks for exact states.
+        self._exact: bool | None = None
         ram.on_evict = self._demote
 
-    def find(self, tokens: Sequence[int]) -> Match | None:
-        """The longest prefix RAM holds, or the SSD's markers promise past it; nothing read or counted."""
+    # -- lookups --------------------------------------------------------------------------------
+    def _chain(self, tokens: np.ndarray, salt: str) -> list[bytes]:
+        seed = self._seeds.get(salt)
+        if seed is None:
+            seed = self._seeds[salt] = chain_seed(self.fingerprint, salt=salt)
+            if len(self._seeds) > 4096:  # tenants come and go: keep the memo bounded
+                self._seeds = {salt: seed}
+        return block_chain(tokens, self.block_size, seed)
+
+    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
+        """The longest prefix RAM holds, or the SSD's rows promise past it; nothing read or counted."""
         toks = np.asarray(tokens, dtype=np.int64)
         n = len(toks)
         if n < 2:
             return None
-        ram = self.ram.find(toks)
-        num = ram.num_tokens if ram else 0
-        lo = num // self.block_size + 1
-        if self.ssd is not None and lo <= n // self.block_size:
-            blocks = self.ssd.probe(toks, min_blocks=lo)
-            if blocks:  # the entry may turn out shorter once read; `restore` then falls back to RAM
-                match = Match(min(blocks * self.block_size, n - 1), "ssd", (blocks, ram))
-                return self._minded(match)
-        return None if ram is None else self._minded(Match(num, "ram", (0, ram)))
+        limit = (n - 1) // self.block_size  # whole blocks, leaving a token to feed
+        chain = tuple(self._chain(toks[:limit * self.block_size], salt))
+        ram = self.ram.reach(chain)
+        if self._exact is None and ram:  # the blocks say whether the model has exact layers
+            self._exact = self.ram.blocks(chain[:1])[0].layout.needs_exact
+        ram_state = self._ram_state(chain, ram) if self._exact else ram
+        ssd = ssd_state = 0
+        if self.ssd is not None and ram_state < limit:
+            ssd, ssd_state = self.ssd.probe(chain, ram + 1, self._exact, ram_state)
+            if not self._exact:  # no exact layers (or not known yet: a restore reads and learns)
+                ssd_state = max(ssd_state, ssd)
+        best = max(ram_state, ssd_state)
+        num = best * self.block_size
+        tier = "ram" if best <= ram_state else "ssd"
+        found = _Found(chain, ram, ram_state, ssd, ssd_state)
+        tail = self.ram.best_tail(chain[ram - 1] if ram else None, toks[ram * self.block_size:],
+                                 n - 1 - ram * self.block_size)
+        if tail is not None and ram * self.block_size + tail[1] > num:
+            num, tier = ram * self.block_size + tail[1], "ram"
+            found = _Found(chain, ram, ram_state, ssd, ssd_state, tail[0], tail[1])
+        if num == 0:
+            return None
+        return Match(num, tier, found, too_short=num < max(1, self.min_restore_tokens))
 
-    def _minded(self, match: Match) -> Match:
-        return replace(match, too_short=match.num_tokens < max(1, self.min_restore_tokens))
+    def _ram_state(self, chain: Sequence[bytes], ram: int) -> int:
+        """Blocks up to the deepest exact state RAM holds on the chain (exact models)."""
+        for k in range(ram, 0, -1):
+            if self.ram.state_at(chain[k - 1]) is not None:
+                return k
+        return 0
 
-    def restore(self, tokens: Sequence[int], match: Match | None) -> Hit | None:
-        """Copy what `find` found (reading the SSD entry now); counted as one lookup of `tokens`."""
+    def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
+        """Copy what `find` found (reading SSD rows now); counted as one lookup of `tokens`."""
         toks = np.asarray(tokens, dtype=np.int64)
         n = len(toks)
         self.totals.query(n)
         if n < 2:
             return None
         self.ram.counters.query(n)
-        blocks, ram = match.source if match is not None else (0, None)
-        snap, num, tier = (ram.snap, ram.num_tokens, "ram") if ram else (None, 0, "ram")
-        if self.ssd is not None and num // self.block_size + 1 <= n // self.block_size:
-            self.ssd.counters.query(n)  # the SSD was asked (by `find`'s probe) whatever it answered
-        if blocks and self.ssd is not None:
-            deep = self.ssd.load(toks, blocks)
-            if deep is not None and deep.num_tokens > num:
-                snap, num, tier = deep.snap, deep.num_tokens, "ssd"
-        if snap is None or num < max(1, self.min_restore_tokens):
-            self.too_short += snap is not None
+        if match is None or not isinstance(match.source, _Found):
             return None
+        f: _Found = match.source
+        if self.ssd is not None and f.ram_state < len(f.chain):
+            self.ssd.counters.query(n)  # the SSD was asked (by `find`'s probe) whatever it answered
+        if match.too_short:
+            self.too_short += 1
+            return None
+        want = match.num_tokens // self.block_size
+        tier: Literal["ram", "ssd"] = match.tier  # type: ignore[assignment]
         try:
-            cache = restore(snap, num)
+            if f.tail is not None:
+                return self._restore_tail(f)
+            got = self._gather(f, toks, want, tier)
+            if got is None and tier == "ssd":  # the SSD rows read shorter or damaged: RAM's part
+                tier, got = "ram", self._gather(f, toks, f.ram_state, "ram") if f.ram_state else None
+            if got is None:
+                return None
+            chain_blocks, state = got
+            num = len(chain_blocks) * self.block_size
+            if num < max(1, self.min_restore_tokens):
+                self.too_short += 1
+                return None
+            cache = blk.assemble(chain_blocks, state, chain_blocks[0].layout.num_layers)
         except Exception as e:  # never fail a request over the cache
-            log.warning("prefix cache: cannot restore a %s entry: %s", tier, e)
+            log.warning("prefix cache: cannot restore a %s prefix: %s", tier, e)
             (self.ram if tier == "ram" else self.ssd).counters.read_errors += 1  # type: ignore[union-attr]
             return None
-        if tier == "ssd":
-            self._promote(snap)
         (self.ram if tier == "ram" else self.ssd).counters.hit(num)  # type: ignore[union-attr]
         self.totals.hit(num)
         return Hit(cache=cache, num_tokens=num, tier=tier)
 
-    def lookup(self, tokens: Sequence[int]) -> Hit | None:
-        """`find` and `restore` in one (tests, benchmarks, warm-up tools)."""
-        return self.restore(tokens, self.find(tokens))
+    def _restore_tail(self, f: _Found) -> Hit | None:
+        tail = f.tail
+        assert tail is not None
+        if self.ram.reach(f.chain[:f.ram]) < f.ram:  # gone since find (a promotion evicted it)
+            return None
+        got = self.ram.blocks(f.chain[:f.ram])
+        cache = blk.assemble(got, tail.state, tail.layout.num_layers, tail, f.tail_rows)
+        num = f.ram * self.block_size + f.tail_rows
+        self.ram.counters.hit(num)
+        self.totals.hit(num)
+        return Hit(cache=cache, num_tokens=num, tier="ram")
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind) -> None:
+    def _gather(self, f: _Found, toks: np.ndarray, want: int,
+                tier: str) -> tuple[list[Block], ExactState | None] | None:
+        """The chain's first `want` blocks (RAM's, then the SSD's, promoted) and, for a model with
+        exact layers, the exact state at their end; None if they cannot all be had."""
+        have = min(want, self.ram.reach(f.chain[:want]))
+        got = self.ram.blocks(f.chain[:have])
+        if want > have:
+            if self.ssd is None or tier != "ssd":
+                return None
+            more = self.ssd.load_blocks(f.chain, toks, have, want)
+            for b in more:
+                if self.ram.add(b, persisted=True):
+                    self.ram.counters.promotions += 1
+            got += more
+            if len(got) < want:
+                return None
+        if not got:
+            return None
+        exact = got[0].layout.needs_exact
+        self._exact = exact
+        if not exact:
+            return got, None
+        digest = f.chain[want - 1]
+        state = self.ram.state_at(digest)
+        if state is None and self.ssd is not None and tier == "ssd":
+            state = self.ssd.load_state(digest)
+            if state is not None and self.ram.add_state(state, persisted=True):
+                self.ram.counters.promotions += 1
+        return (got, state) if state is not None else None
+
+    def lookup(self, tokens: Sequence[int], salt: str = "") -> Hit | None:
+        """`find` and `restore` in one (tests, benchmarks, warm-up tools)."""
+        return self.restore(tokens, self.find(tokens, salt), salt)
+
+    # -- offers ---------------------------------------------------------------------------------
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
+        """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
+        offer ends either its tail (RAM) or, on a block boundary, its exact state. `kind` does not
+        matter any more: every block is written through once (it costs its own bytes, never a
+        conversation's)."""
+        toks = np.asarray(tokens, dtype=np.int64)
         try:
-            snap = snapshot(tokens, cache)
+            parts = blk.split(cache, len(toks))
         except (TypeError, ValueError) as e:
             self.totals.rejected += 1
             log.debug("prefix cache: not storing offer: %s", e)
             return
-        if self.quant is not None:
-            snap = quantize(snap, self.quant)
-        queued = False
-        if self.ssd is not None and kind in WRITE_THROUGH:
-            queued = self.ssd.offer(snap)
-        result = self.ram.insert(snap, persisted=queued)
-        if result == "too_large" and self.ssd is not None and not queued:
-            self._demote(snap, False)
+        exact = parts.layout.needs_exact
+        self._exact = exact
+        n, bs = len(toks), self.block_size
+        k = n // bs
+        chain = self._chain(toks[:k * bs], salt)
+        have = self.ram.reach(chain)
+        quant = None
+        if self.quant is not None and n >= self.quant.min_tokens:
+            quant = (self.quant.bits, self.quant.group_size)
+        new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant)
+        self.blocks_offered += len(new)
+        for b in new:
+            queued = self.ssd.offer(b) if self.ssd is not None else False
+            if not self.ram.add(b, persisted=queued) and self.ssd is not None and not queued:
+                self._demote(b, False)
+        if k * bs < n:  # the tokens past the last whole block: RAM only
+            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks))
+        elif exact:  # on a boundary: the exact state there, in both tiers
+            state = blk.exact_state(parts, chain[k - 1])
+            if state is not None and self.ram.state_at(chain[k - 1]) is None:
+                queued = self.ssd.offer(state) if self.ssd is not None else False
+                if not self.ram.add_state(state, persisted=queued) and self.ssd is not None and not queued:
+                    self._demote(state, False)
 
-    def _promote(self, snap: Snapshot) -> None:
-        if self.ram.insert(snap, persisted=False) == "kept":
-            self.ram.counters.promotions += 1
-
-    def _demote(self, snap: Snapshot, persisted: bool) -> None:
-        if self.ssd is not None and self.ssd.offer(snap):
+    def _demote(self, item: Block | ExactState, persisted: bool) -> None:
+        if not persisted and self.ssd is not None and self.ssd.offer(item):
             self.ssd.counters.demotions += 1
 
+    def tick(self, drain: bool = False) -> None:
+        """Once per engine step on the MLX thread (and with `drain` when idle): hand the SSD writer
+        what earlier steps offered."""
+        if self.ssd is not None:
+            self.ssd.tick(drain)
+
+    # -- the rest of the protocol ----------------------------------------------------------------
     def held_prefixes(self, limit: int = 256) -> list[np.ndarray]:
-        """Token ids of the most recently used RAM entries (cache-affinity routing reports them).
-        SSD entries are not listed: enumerating the disk index is slow, and an SSD hit is promoted
-        to RAM, so what is in use shows up here after its first hit."""
-        return self.ram.recent_tokens(limit)
+        """Token ids of the most recently used chains in RAM (cache-affinity routing reports them).
+        SSD rows are not listed: enumerating the disk index is slow, and an SSD hit is promoted to
+        RAM, so what is in use shows up here after its first hit."""
+        return self.ram.recent_chains(limit)
 
     def set_ram_budget(self, budget_bytes: int) -> None:
         """Shrink or grow the RAM tier at run time (one memory account with running KV state):
-        entries over the new budget are evicted least-recent first and demoted to the SSD."""
+        blocks over the new budget are evicted leaf first and demoted to the SSD."""
         self.ram.resize(max(0, budget_bytes))
 
     def clear(self, tier: Literal["ram", "ssd", "all"] = "all") -> None:
@@ -151,8 +276,10 @@ class TieredStore:
             "hit_tokens": self.totals.hit_tokens,
             "rejected_offers": self.totals.rejected,
             "hits_below_min_restore": self.too_short,
-            "ram": self.ram.counters.as_dict(entries=len(self.ram), bytes=self.ram.nbytes,
-                                             budget_bytes=self.ram.budget),
+            "block_size": self.block_size,
+            "blocks_offered": self.blocks_offered,
+            "ram": self.ram.counters.as_dict(entries=len(self.ram), blocks=len(self.ram), states=self.ram.states,
+                                             bytes=self.ram.nbytes, budget_bytes=self.ram.budget),
         }
         if self.ssd is not None:
             out["ssd"] = self.ssd.stats()
@@ -161,7 +288,8 @@ class TieredStore:
         return out
 
     def flush(self) -> None:
-        """Wait until queued SSD writes are done (tests, admin)."""
+        """Wait until what was handed to the SSD writer is on disk (any thread; the MLX thread's
+        `tick(drain=True)` hands over the rest first)."""
         if self.ssd is not None:
             self.ssd.flush()
 
@@ -169,6 +297,8 @@ class TieredStore:
         """Write what only RAM holds to the SSD, flush, and stop the writer."""
         if self.ssd is None:
             return
-        for snap in self.ram.unpersisted():
-            self.ssd.offer(snap, block=True)
+        self.ssd.tick(drain=True)
+        for item in self.ram.unpersisted():
+            if self.ssd.offer(item):
+                self.ssd.tick(drain=True)
         self.ssd.close()

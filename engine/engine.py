@@ -96,6 +96,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.seqs)
 
+    def idle(self) -> None:
+        """Nothing to run: finish every offer's hand-over to the SSD now (no step waits for it)."""
+        self.store.tick(drain=True)
+
     def view(self) -> BatchView:
         prefilling = [s for s in self._prefilling.values() if s.status is RequestStatus.PREFILLING]
         lefts = [s.prefill_left for s in prefilling]
@@ -131,6 +135,7 @@ class Engine:
         # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
         events = self._expire() if self._clock() >= self._next_expiry else []
+        self.store.tick()  # hands the SSD what earlier steps offered: computed by now, nothing waits
         decoding = len(self.runner) > len(self._prefilling)
         started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
         plan = self.scheduler.schedule(self.view(), self.store.find) if len(self.scheduler) else SchedulerOutput()
@@ -161,7 +166,7 @@ class Engine:
     def _admit(self, admission: Admission) -> list[TokenEvent]:
         seq = self.seqs[admission.request.request_id]
         tokens = seq.request.prompt_tokens
-        hit = self.store.restore(tokens, admission.match)
+        hit = self.store.restore(tokens, admission.match, seq.request.cache_salt)
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params
         decoding = make_decoding(params, len(tokens), self._eos, seq.request.constraint)
@@ -287,7 +292,7 @@ class Engine:
         if len(tokens) < self._min_store:
             return
         try:
-            self.store.offer(list(tokens), cache, kind)  # type: ignore[arg-type]
+            self.store.offer(list(tokens), cache, kind, seq.request.cache_salt)  # type: ignore[arg-type]
         except Exception:  # the cache is an optimisation: never fail a request over it
             log.exception("prefix store refused an offer for %s", seq.request_id)
 

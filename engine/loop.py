@@ -214,7 +214,11 @@ class AsyncEngine:
     async def flush_cache(self) -> dict[str, Any]:
         """Wait until queued SSD writes are on disk; returns the cache stats after. The wait runs
         off the MLX thread (the store's `flush` is safe anywhere), so decoding goes on meanwhile."""
-        store = await self.call(lambda engine: engine.store)
+        def hand_over(engine: Engine) -> Any:
+            engine.store.tick(drain=True)
+            return engine.store
+
+        store = await self.call(hand_over)
         await asyncio.to_thread(store.flush)
         return await self.cache_stats()
 
@@ -265,6 +269,8 @@ class AsyncEngine:
                 last_stats = time.monotonic()
             self._deliver(events)
             times.deliver += time.perf_counter() - t1
+            if not engine.has_work():
+                engine.idle()
         for request_id in list(engine.seqs):
             self._deliver(engine.abort_request(request_id, FinishReason.ABORT, CLOSED, code="shutdown"))
         self._refuse_queued()

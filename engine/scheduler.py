@@ -29,7 +29,7 @@ from cache_tiers.store import Match
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.types import OverloadedError, Request
 
-Find = Callable[[tuple[int, ...]], "Match | None"]
+Find = Callable[[tuple[int, ...], str], "Match | None"]  # (prompt tokens, cache salt)
 
 CPU_GROUP_RATIO = 2.0  # "auto" on the CPU backend: a prompt joins a prefill within this length ratio
 
@@ -144,7 +144,7 @@ class Scheduler:
 
         def match(request: Request) -> Match | None:
             if request.request_id not in found:
-                found[request.request_id] = find(request.prompt_tokens) if find is not None else None
+                found[request.request_id] = find(request.prompt_tokens, request.cache_salt) if find is not None else None
             return found[request.request_id]
 
         admitted: list[Admission] = []

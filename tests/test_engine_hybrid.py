@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from cache_tiers.config import CacheConfig
-from cache_tiers.snapshot import common_prefix
 from engine.checkpoints import CheckpointPolicy
 from engine.loop import default_store
 from engine.types import Request, SamplingParams, Usage
@@ -56,6 +55,12 @@ def model(request, hybrid_model_dir):  # noqa: F811
     cold = make_engine(path, **SETTINGS)
     yield path, cold
     run(cold.shutdown())
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
 
 
 def _checkpoints(start: int, length: int) -> set[int]:

@@ -177,7 +177,7 @@ def test_shutdown_returns_once_the_queued_ssd_writes_are_on_disk(tiny_model_dir,
     run(eng.shutdown())
     on_disk = diskcache.Cache(cache.ssd_dir)
     try:
-        entries = [key for key in on_disk.iterkeys() if key.startswith("e/")]
+        entries = [key for key in on_disk.iterkeys() if key.startswith("b/")]
     finally:
         on_disk.close()
     assert len(entries) >= 3, entries

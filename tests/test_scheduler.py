@@ -20,7 +20,7 @@ def ids(out) -> list[str]:
 
 def held(lengths: dict[tuple[int, ...], int], key: slice = slice(None)):
     """A prefix store's `find` over {prompt start: cached tokens}, counting its calls."""
-    def find(tokens: tuple[int, ...]) -> Match | None:
+    def find(tokens: tuple[int, ...], salt: str = "") -> Match | None:
         find.calls.append(tokens)
         n = lengths.get(tokens[key], 0)
         return Match(n, "ram") if n else None
@@ -202,7 +202,7 @@ def test_long_prompt_with_a_cached_prefix_still_joins():
     s = Scheduler(EngineConfig(prefill_chunk=256, max_batch_tokens=10_000), on_cpu=True)
     s.add_request(Request(tuple(range(1000, 1558)), request_id="hit"))  # 520 cached, 38 to compute
     view = BatchView(running=1, prefilling=1, prefill_tokens_left=200, prefill_min_left=200, prefill_max_left=200)
-    assert ids(s.schedule(view, lambda p: Match(520, "ram"))) == ["hit"]
+    assert ids(s.schedule(view, lambda p, salt="": Match(520, "ram"))) == ["hit"]
 
 
 def test_long_prompts_batch_together_off_the_cpu():
@@ -233,7 +233,7 @@ def test_the_plan_carries_each_admission_s_match_and_path_found_once():
 def test_a_too_short_match_counts_as_no_cached_prefix():
     s = Scheduler(EngineConfig(direct_first_token=64), on_cpu=True)
     s.add_request(Request(tuple(range(1, 40)), request_id="r"))
-    [admission] = s.schedule(BatchView(), lambda p: Match(30, "ram", too_short=True)).admit
+    [admission] = s.schedule(BatchView(), lambda p, salt="": Match(30, "ram", too_short=True)).admit
     assert admission.match.usable == 0 and not admission.direct
 
 
@@ -245,11 +245,11 @@ def test_any_rest_goes_direct_when_nobody_runs():
     for running, direct in ((0, True), (1, False)):
         s = Scheduler(config, on_cpu=False)
         s.add_request(Request(turn, request_id="turn"))
-        [admission] = s.schedule(BatchView(running=running), lambda p: Match(450, "ram")).admit
+        [admission] = s.schedule(BatchView(running=running), lambda p, salt="": Match(450, "ram")).admit
         assert admission.direct is direct
     off = Scheduler(EngineConfig(direct_first_token=None), on_cpu=True)
     off.add_request(Request(turn, request_id="turn"))
-    assert not off.schedule(BatchView(), lambda p: Match(450, "ram")).admit[0].direct
+    assert not off.schedule(BatchView(), lambda p, salt="": Match(450, "ram")).admit[0].direct
 
 
 def test_a_bounded_kv_cache_reserves_its_window_not_the_whole_request():
