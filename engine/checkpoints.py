@@ -25,9 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engine.config import EngineConfig
+
+
+AUTO_EVERY = 1024
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,15 @@ class CheckpointPolicy:
     block: int | None = None  # exact-only caches: checkpoints at multiples of this only
 
     @classmethod
-    def for_model(cls, model: Any, config: EngineConfig) -> "CheckpointPolicy":
+    def for_model(cls, model: Any, config: EngineConfig, on_cpu: bool | None = None) -> "CheckpointPolicy":
+        """`checkpoint_every` "auto": every 1,024 tokens on the CPU backend and for models whose state
+        cannot be trimmed; none on a GPU for plain attention (see EngineConfig.checkpoint_every)."""
         every = config.checkpoint_every if config.cache.enabled else None
-        if every is None or can_trim_prompt_cache(make_prompt_cache(model, config.max_kv_size)):
+        trimmable = can_trim_prompt_cache(make_prompt_cache(model, config.max_kv_size))
+        if every == "auto":
+            on_cpu = mx.default_device() == mx.cpu if on_cpu is None else on_cpu
+            every = AUTO_EVERY if on_cpu or not trimmable else None
+        if every is None or trimmable:
             return cls(every)
         block = config.cache.block_size
         return cls(-(-every // block) * block, block)

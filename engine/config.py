@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from cache_tiers.config import CacheConfig
+
+
+CPU_PREFILL_CHUNK = 256
+GPU_PREFILL_CHUNK = 2048
 
 
 class SchedulingPolicy(str, enum.Enum):
@@ -35,7 +39,13 @@ class EngineConfig:
     # Token budget: of prompts admitted into prefill at once, and (own step) of one step's tokens,
     # one per decoding sequence plus the prompt chunks fed beside them.
     max_batch_tokens: int = 8192
-    prefill_chunk: int = 256  # prompt tokens per prefill step; bounds the stall of running decodes
+    # Prompt tokens per prefill step; bounds the stall of running decodes. "auto": 256 on the CPU
+    # backend (a prompt token there costs about a decoding row, so smaller chunks keep decodes
+    # flowing: session 15's decode-stall runs), 2048 on GPUs, mlx-lm's own prefill step: on the
+    # H200 (smollm2 shape, 32k context, agent session, 3d6fa17) a 15-20k-token cold turn took
+    # 1.06 s with 2048 against 3.84-6.24 s with 256 (58 steps, each a whole batch step), and 1B
+    # random prompts over HTTP gained at 32/128 concurrent (2,110/3,743 against 1,886/3,502 tok/s).
+    prefill_chunk: int | str = "auto"
     prefill_batch: int = 8  # prompts prefilled together (grouped by length)
     # A short prompt joins a running prefill only within this length ratio (padding costs compute
     # on a CPU); "auto" groups on the CPU backend and not on GPUs, where padding is nearly free but
@@ -63,12 +73,19 @@ class EngineConfig:
     # since MLX's CPU exp is scalar; within 3e-7 of exp, greedy outputs unchanged. No effect on GPUs.
     cpu_fast_paths: bool = True
     warmup_prompts: tuple[str, ...] = ()
-    checkpoint_every: int | None = 1024  # offer the partial prompt cache every N prefilled tokens
+    # Offer the partial prompt cache every N prefilled tokens (a long prefill leaves a resumable
+    # trail). "auto" (engine/checkpoints.py): 1024 on the CPU backend and for hybrid models (their
+    # state serves only block boundaries); off on GPUs for plain-attention models, where a prefill
+    # is fast and each checkpoint copies the row so far (H200, 3d6fa17: the agent session's cold
+    # turn 1.06 s without checkpoints and 2048-token chunks).
+    checkpoint_every: int | str | None = "auto"
     memory_budget_bytes: int | None = None  # one account for running KV + the RAM cache tier
     cache: CacheConfig = CacheConfig()
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_waiting", "max_batch_tokens", "prefill_chunk", "prefill_batch",
+        if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f'engine.prefill_chunk must be an integer >= 1 or "auto", got {self.prefill_chunk!r}')
+        for name in ("max_running", "max_waiting", "max_batch_tokens", "prefill_batch",
                      "max_tokens_limit", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
@@ -77,8 +94,9 @@ class EngineConfig:
         if self.max_decode_stall is not None and (
                 not isinstance(self.max_decode_stall, (int, float)) or self.max_decode_stall <= 1.0):
             raise ValueError("engine.max_decode_stall must be a number > 1 or null")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError("engine.checkpoint_every must be >= 1 or null")
+        if self.checkpoint_every not in (None, "auto") and (
+                not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1):
+            raise ValueError('engine.checkpoint_every must be an integer >= 1, "auto" or null')
         if self.prefill_batch > self.max_running:
             raise ValueError("engine.prefill_batch cannot exceed engine.max_running")
         if self.prefill_group_ratio is not None and self.prefill_group_ratio != "auto" and (
@@ -92,10 +110,17 @@ class EngineConfig:
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
 
+    def for_backend(self, on_cpu: bool) -> "EngineConfig":
+        """This config with the "auto" prefill chunk made concrete for the backend (CPU or GPU);
+        the other "auto"s are resolved where their inputs are known (scheduler, checkpoints)."""
+        if self.prefill_chunk != "auto":
+            return self
+        return replace(self, prefill_chunk=CPU_PREFILL_CHUNK if on_cpu else GPU_PREFILL_CHUNK)
+
     def direct_first_token_limit(self, on_cpu: bool) -> int:
         """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""
         if self.direct_first_token == "auto":
-            return self.prefill_chunk if on_cpu else 0
+            return self.for_backend(on_cpu).prefill_chunk if on_cpu else 0  # type: ignore[return-value]
         return self.direct_first_token or 0
 
     @classmethod

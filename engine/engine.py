@@ -35,6 +35,7 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic, consumer_text: bool = False) -> None:
         """With `consumer_text`, events of requests without stop strings carry token ids and no text:
         the consumer makes it (`engine.text.ConsumerText`, as `AsyncEngine.stream` does)."""
+        config = config.for_backend(mx.default_device() == mx.cpu)  # "auto" settings made concrete
         self.config = config
         self._consumer_text = consumer_text
         self.tokenizer = tokenizer

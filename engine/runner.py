@@ -88,6 +88,7 @@ def bounded_window(model: Any, max_kv_size: int | None) -> int | None:
 
 class Runner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
+        config = config.for_backend(mx.default_device() == mx.cpu)
         self._model = model
         self._config = config
         self._generator = self._new_generator()

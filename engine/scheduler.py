@@ -99,7 +99,7 @@ def group_ratio(config: EngineConfig, on_cpu: bool) -> float | None:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, on_cpu: bool = True) -> None:
-        self.config = config
+        config = self.config = config.for_backend(on_cpu)
         self.group_ratio = group_ratio(config, on_cpu)
         hold = config.first_token_first
         self.first_token_first = on_cpu if hold == "auto" else bool(hold)

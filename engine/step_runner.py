@@ -65,8 +65,8 @@ def unsupported(model: Any, config: EngineConfig) -> str | None:
 class StepRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         self._model = model
-        self._config = config
         self._on_cpu = mx.default_device() == mx.cpu
+        self._config = config = config.for_backend(self._on_cpu)
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self.kv_window = config.max_kv_size  # every row is a ring of this many positions when set

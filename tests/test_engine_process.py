@@ -132,7 +132,7 @@ def test_administration_crosses_the_socket(tiny_model_dir, tmp_path):
         cfg = config(tiny_model_dir, cache=CacheConfig(ssd_dir=str(tmp_path / "ssd")))
         async with running(cfg) as engine:
             await engine.ping()
-            await events_of(engine, req("x", 40, max_tokens=2))
+            await events_of(engine, req("x", 140, max_tokens=2))  # past one 64-token block
             held = await engine.held_prefixes(8)
             assert held and isinstance(held[0], np.ndarray)
             assert list(held[0][:40]) == list(range(7, 47))
