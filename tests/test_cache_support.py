@@ -2,27 +2,52 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from cache_tiers.config import CacheConfig
+from cache_tiers.factory import build_store
+from cache_tiers.keys import block_chain, block_key, chain_seed, state_key
 from cache_tiers.storage import DiskcacheStorage
 from cache_tiers.tiered import TieredStore
-from cache_tiers.factory import build_store
-from cache_tiers.config import CacheConfig
 
 LAYERS, HEADS, DIM = 2, 2, 8
+BLOCK = 16  # the block size `store` uses unless told
+FINGERPRINT = "fp-test"
 
 
-def kv_cache(n: int, layers: int = LAYERS, seed: int = 0) -> list[KVCache]:
+def kv_cache(n: int, layers: int = LAYERS, seed: int = 0, dim: int = DIM,
+             dtype: mx.Dtype = mx.float32) -> list[KVCache]:
     """A per-layer KVCache list covering n tokens (buffer grows in 256-row steps, as in mlx-lm)."""
     mx.random.seed(seed)
     out = []
     for _ in range(layers):
         c = KVCache()
-        c.update_and_fetch(mx.random.normal((1, HEADS, n, DIM)), mx.random.normal((1, HEADS, n, DIM)))
+        c.update_and_fetch(mx.random.normal((1, HEADS, n, dim)).astype(dtype),
+                           mx.random.normal((1, HEADS, n, dim)).astype(dtype))
+        out.append(c)
+    return out
+
+
+def kv_for(tokens: Sequence[int], layers: int = LAYERS, dim: int = DIM) -> list[KVCache]:
+    """A KVCache list whose rows are a function of (token, position) only: two conversations that
+    share a prefix get the same KV rows for it, as a real model would give them."""
+    t = np.asarray(tokens, dtype=np.float32)
+    pos = np.arange(len(t), dtype=np.float32)
+    out = []
+    for layer in range(layers):
+        rows = (t[None, :, None] * 0.01 + pos[None, :, None] * 1e-4 + layer
+                + np.arange(HEADS, dtype=np.float32)[:, None, None] * 0.1
+                + np.arange(dim, dtype=np.float32)[None, None, :] * 1e-3)
+        k = mx.array(rows[None])
+        c = KVCache()
+        c.update_and_fetch(k, -k)
         out.append(c)
     return out
 
@@ -37,23 +62,69 @@ def rotating_cache(n: int, max_size: int, layers: int = LAYERS) -> list[Rotating
     return out
 
 
-def entry_bytes(n: int, layers: int = LAYERS) -> int:
-    """Bytes a stored n-token float32 entry holds: keys + values sliced to n, plus token ids."""
-    return layers * 2 * HEADS * n * DIM * 4 + n * 8
+def entry_bytes(n: int, layers: int = LAYERS, dim: int = DIM) -> int:
+    """Bytes n stored float32 tokens hold: keys + values of exactly n rows, plus token ids."""
+    return layers * 2 * HEADS * n * dim * 4 + n * 8
+
+
+def block_bytes(layers: int = LAYERS, block: int = BLOCK, dim: int = DIM) -> int:
+    return entry_bytes(block, layers, dim)
 
 
 def toks(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def store(tmp_path: Any = None, *, storage: Any = None, **cfg: Any) -> TieredStore:
-    defaults: dict[str, Any] = dict(ram_bytes=10**8, block_size=16, min_restore_tokens=4)
+def chain(tokens: Sequence[int], block: int = BLOCK, salt: str = "", fingerprint: str = FINGERPRINT) -> list[bytes]:
+    return block_chain(tokens, block, chain_seed(fingerprint, salt=salt))
+
+
+def bkey(tokens: Sequence[int], k: int, block: int = BLOCK, salt: str = "") -> str:
+    """The SSD key of block k (0-based) of `tokens`' chain."""
+    return block_key(chain(tokens, block, salt)[k])
+
+
+def skey(tokens: Sequence[int], k: int, block: int = BLOCK, salt: str = "") -> str:
+    """The SSD key of the exact state at the end of block k (0-based)."""
+    return state_key(chain(tokens, block, salt)[k])
+
+
+def store(tmp_path: Any = None, *, storage: Any = None, fingerprint: str = FINGERPRINT, **cfg: Any) -> TieredStore:
+    defaults: dict[str, Any] = dict(ram_bytes=10**8, block_size=BLOCK, min_restore_tokens=4)
     if tmp_path is not None:
         defaults["ssd_dir"] = str(tmp_path / "ssd")
     defaults.update(cfg)
-    s = build_store(CacheConfig(**defaults), "fp-test", storage=storage)
+    s = build_store(CacheConfig(**defaults), fingerprint, storage=storage)
     assert isinstance(s, TieredStore)
     return s
+
+
+def settle(s: TieredStore) -> None:
+    """Everything offered so far on disk: the store hands SSD writes to its writer one `tick`
+    later (an engine step), so a test drains the hand-over first, then waits for the writer."""
+    s.tick(drain=True)
+    s.flush()
+
+
+def ssd_only(s: TieredStore) -> None:
+    """Offers on disk, RAM emptied: the next lookup can only be served by the SSD."""
+    settle(s)
+    s.clear("ram")
+
+
+def row_file(directory: Path, key: str) -> Path | None:
+    """The file diskcache keeps a row's value in (None: the value is inline in SQLite)."""
+    with sqlite3.connect(directory / "cache.db") as db:
+        row = db.execute("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
+    assert row is not None, f"no row {key}"
+    return None if row[0] is None else directory / row[0]
+
+
+def same_kv(got: Sequence[Any], want: Sequence[Any], n: int) -> bool:
+    """Keys and values of every layer equal, bit for bit, over the first n rows."""
+    return all(g.offset == n and mx.array_equal(g.keys[..., :n, :], w.keys[..., :n, :]).item()
+               and mx.array_equal(g.values[..., :n, :], w.values[..., :n, :]).item()
+               and g.keys.dtype == w.keys.dtype for g, w in zip(got, want, strict=True))
 
 
 class FlakyStorage:
