@@ -200,8 +200,6 @@ def test_missing_middle_block_serves_up_to_the_gap_later(tmp_path):
     s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="cache_tiers/tiered.py _gather: an SSD load that stops at a missing or "
-                   "damaged block returns None (len(got) < want) instead of serving the blocks before it")
 def test_missing_middle_block_served_up_to_the_gap_at_once(tmp_path):
     s, original = _on_disk(tmp_path, 6 * BLOCK)
     s.ssd.storage.delete(bkey(toks(6 * BLOCK), 2))
@@ -250,3 +248,19 @@ def test_salts_never_hit_across_and_hit_within(tmp_path):
     s.offer(A, kv_for(A), "finished", salt="tenant-b")  # the same tokens: stored again, apart
     assert s.stats()["blocks_offered"] == 2 * len(A) // BLOCK
     s.close()
+
+
+def test_ram_tier_holds_a_block_once_whoever_adds_it():
+    """RamTier.add of a digest it holds (the same block cut by two conversations, or promoted
+    again from the SSD) only touches it: one node, its bytes once."""
+    s = store()
+    s.offer(A, kv_for(A), "finished")
+    other = store()
+    other.offer(B, kv_for(B), "finished")  # the same 3 prefix blocks, cut by another store
+    shared = other.ram.blocks(other._chain(P, ""))
+    before = s.ram.nbytes
+    for block in shared:
+        assert s.ram.add(block, persisted=False)
+    assert len(s.ram) == 5 and s.ram.nbytes == before == held_bytes(s.ram)
+    s.set_ram_budget(0)  # every block leaves exactly once (a double-counted child would keep its parent)
+    assert len(s.ram) == 0 and s.ram.nbytes == 0 and s.stats()["ram"]["evictions"] == 5
