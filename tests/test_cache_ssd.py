@@ -1,4 +1,5 @@
-"""SSD tier: persistence, isolation, corruption, failing disks, write queue, promotion/demotion."""
+"""SSD tier on the block store: persistence, isolation, corruption, failing disks, write queue,
+promotion and demotion, when the SSD is asked."""
 
 from __future__ import annotations
 
@@ -9,39 +10,64 @@ import sqlite3
 import diskcache
 import mlx.core as mx
 import pytest
-from test_cache_support import FlakyStorage, entry_bytes, kv_cache, store, toks
+from test_cache_support import (BLOCK, FlakyStorage, bkey, entry_bytes, kv_cache, same_kv, settle, ssd_only, store,
+                                toks)
 
 import cache_tiers.keys as keys
-from cache_tiers.keys import block_chain, chain_seed, entry_key
+import cache_tiers.tiered as tiered
 
 
 def _ssd_only_hit(s, prompt):
-    s.flush()
-    s.clear("ram")
+    ssd_only(s)
     return s.lookup(prompt)
 
 
-def test_entries_cut_to_block_boundary_and_served(tmp_path):
+def test_blocks_served_from_ssd_and_cut_to_whole_blocks(tmp_path):
     s = store(tmp_path)
     original = kv_cache(100)
     s.offer(toks(100), original, "finished")
     hit = _ssd_only_hit(s, toks(100) + [5])
-    assert hit.tier == "ssd" and hit.num_tokens == 96  # 6 blocks of 16
+    assert hit.tier == "ssd" and hit.num_tokens == 96  # 6 blocks of 16; the tail stays in RAM only
     assert mx.array_equal(hit.cache[1].values, original[1].values[..., :96, :])
-    # a prompt sharing only part of the entry is served by trimming it
-    s.clear("ram")
+    s.clear("ram")  # a prompt sharing only part of the chain is served its common blocks
     hit = s.lookup(toks(40) + [9999] * 30)
-    assert hit.tier == "ssd" and hit.num_tokens == 40
+    assert hit.tier == "ssd" and hit.num_tokens == 32
+    s.close()
+
+
+def test_writes_are_handed_over_a_tick_later(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(64), kv_cache(64), "finished")
+    s.flush()
+    assert s.stats()["ssd"]["writes"] == 0 and s.stats()["ssd"]["queued"] == 4  # offered, not handed over
+    s.tick()  # the step the offer was made in: still not handed over
+    s.flush()
+    assert s.stats()["ssd"]["writes"] == 0
+    s.tick()  # the next step hands it to the writer
+    s.flush()
+    assert s.stats()["ssd"]["writes"] == 4 and s.stats()["ssd"]["queued"] == 0
+    s.close()
 
 
 def test_restart_persistence(tmp_path):
     s = store(tmp_path)
-    s.offer(toks(64), kv_cache(64), "prompt")  # not written through: flushed at close
+    s.offer(toks(64), kv_cache(64), "prompt")
     s.offer(toks(80, 500), kv_cache(80), "finished")
-    s.close()
+    s.close()  # close hands over what is still queued
     s2 = store(tmp_path)
     assert s2.lookup(toks(70)).num_tokens == 64
     assert s2.lookup(toks(90, 500)).num_tokens == 80
+    s2.close()
+
+
+def test_close_writes_what_only_ram_held(tmp_path):
+    s = store(tmp_path)
+    s.ssd.writes_enabled = False  # offers not taken by the SSD: RAM keeps them as not persisted
+    s.offer(toks(64), kv_cache(64), "finished")
+    s.ssd.writes_enabled = True
+    s.close()
+    s2 = store(tmp_path)
+    assert s2.lookup(toks(70)).tier == "ssd"
     s2.close()
 
 
@@ -49,11 +75,7 @@ def test_fingerprint_isolation(tmp_path):
     s = store(tmp_path)
     s.offer(toks(64), kv_cache(64), "finished")
     s.close()
-    from cache_tiers.factory import build_store
-    from cache_tiers.config import CacheConfig
-
-    other = build_store(CacheConfig(ram_bytes=10**8, ssd_dir=str(tmp_path / "ssd"), block_size=16,
-                                    min_restore_tokens=4), "another-model")
+    other = store(tmp_path, fingerprint="another-model")
     assert other.lookup(toks(70)) is None
     other.close()
 
@@ -68,28 +90,59 @@ def test_format_version_isolation(tmp_path, monkeypatch):
     s2.close()
 
 
-def test_hash_collision_never_serves(tmp_path, monkeypatch):
-    import cache_tiers.ssd as ssd_mod
+def test_row_of_another_fingerprint_under_our_key_is_corrupt(tmp_path):
+    """Keys already bind the fingerprint; the row's own header is checked too (a copied
+    directory, a key scheme bug): never served, deleted."""
+    s = store(tmp_path)
+    s.offer(toks(64), kv_cache(64), "finished")
+    settle(s)
+    other = store(tmp_path / "other", fingerprint="another-model")
+    other.offer(toks(64), kv_cache(64), "finished")
+    settle(other)
+    key = bkey(toks(64), 0)
+    foreign = other.ssd.storage.get(keys.block_key(other._chain(toks(64), "")[0]))
+    s.ssd.storage.set(key, foreign)
+    s.clear("ram")
+    assert s.lookup(toks(70)) is None
+    assert s.stats()["ssd"]["corrupt"] == 1 and not s.ssd.storage.contains(key)
+    s.close()
+    other.close()
 
-    monkeypatch.setattr(ssd_mod, "block_chain", lambda t, bs, seed: [b"x" * 16] * (len(t) // bs))
+
+def _colliding(monkeypatch):
+    """Every block of every prompt gets the same digest: a hash collision on every key."""
+    monkeypatch.setattr(tiered, "block_chain", lambda t, bs, seed: [b"x" * 16] * (len(t) // bs))
+
+
+def test_hash_collision_never_serves_from_ssd(tmp_path, monkeypatch):
+    _colliding(monkeypatch)
     s = store(tmp_path)
     s.offer(toks(64), kv_cache(64), "finished")
     assert _ssd_only_hit(s, toks(64, 1000)) is None  # same keys, other tokens
-    assert s.stats()["ssd"]["hits"] == 0 and s.stats()["ssd"]["corrupt"] == 0
+    # same tokens, other position: block 0's row under block 1's key (its parent tells them apart)
+    s.clear("ram")
+    hit = s.lookup(toks(16) * 2 + [1])
+    assert hit is None or hit.num_tokens <= BLOCK
+    assert s.stats()["ssd"]["hits"] == (0 if hit is None else 1)
+    s.close()
 
 
-def _stored_entry_key(tokens, block_size=16):
-    chain = block_chain(tokens, block_size, chain_seed("fp-test"))
-    return entry_key(chain[len(tokens) // block_size - 1])
+@pytest.mark.xfail(strict=True, reason="cache_tiers/ram.py + tiered.py: RAM finds blocks by digest only "
+                   "(RamTier.reach/blocks) and never compares the stored token ids with the prompt")
+def test_hash_collision_never_serves_from_ram(monkeypatch):
+    _colliding(monkeypatch)
+    s = store()
+    s.offer(toks(64), kv_cache(64), "finished")
+    assert s.lookup(toks(64, 1000)) is None
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "pickled", "bitflip"])
-def test_corrupt_entry_deleted_and_counted(tmp_path, damage):
+def test_corrupt_block_deleted_and_counted(tmp_path, damage):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     s = store(storage=storage)
     s.offer(toks(64), kv_cache(64), "finished")
-    s.flush()
-    key = _stored_entry_key(toks(64))
+    settle(s)
+    key = bkey(toks(64), 0)
     good = storage.get(key)
     if damage == "truncate":
         storage.set(key, good[: len(good) // 2])
@@ -105,6 +158,7 @@ def test_corrupt_entry_deleted_and_counted(tmp_path, damage):
     st = s.stats()["ssd"]
     assert st["corrupt"] == 1 and not storage.contains(key)
     assert s.lookup(toks(70)) is None  # and stays a clean miss
+    assert s.stats()["ssd"]["corrupt"] == 1
     s.close()
 
 
@@ -112,12 +166,12 @@ def test_full_disk_disables_writes_reads_continue(tmp_path, caplog):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     s = store(storage=storage)
     s.offer(toks(64), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     storage.fail_writes = OSError(errno.ENOSPC, "No space left on device")
     s.offer(toks(64, 500), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     st = s.stats()["ssd"]
-    assert not st["writes_enabled"] and st["write_errors"] == 1
+    assert not st["writes_enabled"] and st["write_errors"] >= 1
     assert "SSD full" in caplog.text
     s.offer(toks(64, 900), kv_cache(64), "finished")  # not even queued any more
     assert s.stats()["ssd"]["queued"] == 0
@@ -125,6 +179,8 @@ def test_full_disk_disables_writes_reads_continue(tmp_path, caplog):
     storage.fail_writes = None
     s.clear("ssd")  # room again: writes resume
     assert s.stats()["ssd"]["writes_enabled"]
+    s.offer(toks(64, 900), kv_cache(64), "finished")
+    assert _ssd_only_hit(s, toks(70, 900)).tier == "ssd"
     s.close()
     s.close()  # idempotent
 
@@ -134,7 +190,7 @@ def test_sqlite_full_also_detected(tmp_path):
     s = store(storage=storage)
     storage.fail_writes = sqlite3.OperationalError("database or disk is full")
     s.offer(toks(64), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     assert not s.stats()["ssd"]["writes_enabled"]
     s.close()
 
@@ -143,14 +199,14 @@ def test_unreadable_storage_keeps_serving_ram(tmp_path):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     s = store(storage=storage)
     s.offer(toks(64), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     storage.fail_reads = PermissionError(errno.EACCES, "read-only")
     storage.fail_writes = sqlite3.OperationalError("attempt to write a readonly database")
-    assert s.lookup(toks(200)).tier == "ram"  # RAM serves; SSD probe fails quietly
+    assert s.lookup(toks(200)).tier == "ram"  # RAM serves; the SSD probe fails quietly
     s.offer(toks(64, 300), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     st = s.stats()["ssd"]
-    assert st["read_errors"] == 1 and st["write_errors"] == 1 and st["writes_enabled"]
+    assert st["read_errors"] == 1 and st["write_errors"] == 4 and st["writes_enabled"]  # one per block
     s.close()
 
 
@@ -166,36 +222,47 @@ def test_unopenable_directory_runs_ram_only(tmp_path):
 
 def test_deleted_directory_keeps_serving(tmp_path):
     s = store(tmp_path)
-    s.offer(toks(64), kv_cache(64, layers=4), "finished")  # > 32 KiB: a file, not a SQLite row
-    s.flush()
+    s.offer(toks(64), kv_cache(64, dim=64), "finished")  # > 32 KiB a block: files, not SQLite rows
+    settle(s)
     shutil.rmtree(tmp_path / "ssd")
     s.clear("ram")
     assert s.lookup(toks(70)) is None
-    s.offer(toks(64, 100), kv_cache(64), "finished")
+    s.offer(toks(64, 100), kv_cache(64, dim=64), "finished")
     assert s.lookup(toks(70, 100)).tier == "ram"
     s.close()
 
 
-def test_write_queue_drops_counted(tmp_path):
+def test_write_queue_drops_counted_and_demoted_later(tmp_path):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     storage.gate.clear()  # stall the writer on its first write
-    s = store(storage=storage, write_queue=1)
-    for i in range(4):
-        s.offer(toks(64, 1000 * i), kv_cache(64), "finished")
-    assert s.stats()["ssd"]["write_drops"] >= 2
+    s = store(storage=storage, write_queue=2)
+    s.offer(toks(64), kv_cache(64), "finished")  # 4 blocks, 2 taken
+    assert s.stats()["ssd"]["write_drops"] == 2
     storage.gate.set()
+    settle(s)
+    assert s.stats()["ssd"]["writes"] == 2
+    s.set_ram_budget(0)  # the two RAM-only blocks are demoted as they leave, the others are not
+    settle(s)
+    st = s.stats()
+    assert st["ram"]["evictions"] == 4 and st["ssd"]["demotions"] == 2 and st["ssd"]["writes"] == 4
+    s.set_ram_budget(10**8)
+    assert s.lookup(toks(70)).num_tokens == 64
     s.close()
 
 
 def test_demotion_and_promotion(tmp_path):
-    s = store(tmp_path, ram_bytes=int(entry_bytes(64) * 1.5))
-    s.offer(toks(64), kv_cache(64, seed=3), "prompt")  # RAM only
-    s.offer(toks(64, 500), kv_cache(64), "prompt")  # evicts the first: demoted
-    s.flush()
-    assert s.stats()["ssd"]["demotions"] == 1 and s.stats()["ram"]["evictions"] == 1
+    s = store(tmp_path, ram_bytes=int(entry_bytes(64) * 1.2))  # one conversation's 4 blocks
+    s.ssd.writes_enabled = False  # nothing written through: RAM holds the only copy
+    s.offer(toks(64), kv_cache(64, seed=3), "prompt")
+    s.ssd.writes_enabled = True
+    original = kv_cache(64, seed=3)
+    s.offer(toks(64, 500), kv_cache(64), "prompt")  # evicts the first, leaf first: demoted
+    settle(s)
+    st = s.stats()
+    assert st["ssd"]["demotions"] == 4 and st["ram"]["evictions"] == 4
     hit = s.lookup(toks(70))
-    assert hit.tier == "ssd" and hit.num_tokens == 64
-    assert s.stats()["ram"]["promotions"] == 1
+    assert hit.tier == "ssd" and hit.num_tokens == 64 and same_kv(hit.cache, original, 64)
+    assert s.stats()["ram"]["promotions"] == 4
     assert s.lookup(toks(70)).tier == "ram"
     st = s.stats()
     assert st["ssd"]["hits"] == 1 and st["ssd"]["hit_tokens"] == 64 and st["ram"]["hits"] == 1
@@ -205,9 +272,24 @@ def test_demotion_and_promotion(tmp_path):
 def test_ssd_consulted_only_when_it_could_do_better(tmp_path):
     s = store(tmp_path)
     s.offer(toks(64), kv_cache(64), "finished")
-    s.flush()
+    settle(s)
     s.lookup(toks(70))
-    assert s.stats()["ssd"]["queries"] == 0  # RAM already served every full block
+    assert s.stats()["ssd"]["queries"] == 0  # RAM already served every whole block
+    s.lookup(toks(200))
+    assert s.stats()["ssd"]["queries"] == 1  # RAM's run ends before the prompt's: asked
+
+
+def test_ssd_extends_ram_run(tmp_path):
+    """RAM holds the first blocks, the SSD the rest: one restore gathers both."""
+    s = store(tmp_path)
+    original = kv_cache(96, seed=4)
+    s.offer(toks(96), original, "finished")
+    settle(s)
+    s.set_ram_budget(entry_bytes(2 * BLOCK))  # RAM keeps blocks 0-1 (leaf first)
+    assert s.ram.reach(s._chain(toks(96), "")) == 2
+    hit = s.lookup(toks(97))
+    assert hit.tier == "ssd" and hit.num_tokens == 96 and same_kv(hit.cache, original, 96)
+    s.close()
 
 
 def test_clear_ssd(tmp_path):
@@ -221,11 +303,14 @@ def test_clear_ssd(tmp_path):
 
 def test_shrinking_ram_budget_demotes(tmp_path):
     s = store(tmp_path)
+    s.ssd.writes_enabled = False
     s.offer(toks(64), kv_cache(64), "prompt")
     s.offer(toks(64, 500), kv_cache(64), "prompt")
+    s.ssd.writes_enabled = True
     s.lookup(toks(70))  # the first is now the most recent
     s.set_ram_budget(entry_bytes(64))
-    s.flush()
-    assert s.stats()["ram"]["entries"] == 1 and s.stats()["ssd"]["demotions"] == 1
-    assert s.lookup(toks(70, 500)).tier == "ssd"
+    settle(s)
+    assert s.stats()["ram"]["blocks"] == 4 and s.stats()["ssd"]["demotions"] == 4
+    assert s.lookup(toks(70)).tier == "ram"  # the recent one stayed
+    assert s.lookup(toks(70, 500)).tier == "ssd"  # the other was demoted
     s.close()
