@@ -155,3 +155,32 @@ class FlakyStorage:
 
     def __getattr__(self, name: str) -> Any:  # delete, clear, volume, count, close
         return getattr(self.inner, name)
+
+
+def generate(model: Any, prompt: Sequence[int], n: int, cache: Any = None) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and each step's logprobs (mlx-lm's generate_step, as the engine's fallback
+    path runs it), continuing from `cache` when given."""
+    from mlx_lm.generate import generate_step
+
+    tokens, logprobs = [], []
+    for tok, lp in generate_step(mx.array(list(prompt)), model, max_tokens=n, prompt_cache=cache,
+                                 sampler=lambda x: mx.argmax(x, axis=-1)):
+        tokens.append(int(tok))
+        logprobs.append(np.array(lp.astype(mx.float32)))
+    return tokens, logprobs
+
+
+def prefilled(model: Any, tokens: Sequence[int], cache: list[Any] | None = None) -> list[Any]:
+    """`cache` (default: the model's fresh prompt cache) after one forward pass over `tokens`
+    (deterministic: two calls give bit-identical caches, so one can be offered and the other
+    kept as the reference a restore must equal)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model) if cache is None else cache
+    model(mx.array([list(tokens)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def same_logprobs(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
