@@ -153,7 +153,7 @@ class SsdTier:
                     break
                 block = codec.decode_block(data, self.fingerprint, chain[j], bs)
             except (codec.CorruptEntry, UnsafeRow) as e:
-                self._corrupt(key, e)
+                self._corrupt(key, e, chain[j + 1:last])
                 break
             except Exception as e:  # a failing disk must never fail a request
                 self.counters.read_errors += 1
@@ -161,7 +161,8 @@ class SsdTier:
                 break
             if block.parent != (chain[j - 1] if j else None) or not np.array_equal(block.tokens,
                                                                                   tokens[j * bs:(j + 1) * bs]):
-                self._corrupt(key, codec.CorruptEntry("a block of another prefix under this key"))
+                self._corrupt(key, codec.CorruptEntry("a block of another prefix under this key"),
+                              chain[j + 1:last])
                 break
             out.append(block)
         return out
@@ -181,11 +182,17 @@ class SsdTier:
             log.warning("prefix cache: SSD read failed: %s", e)
         return None
 
-    def _corrupt(self, key: str, e: Exception) -> None:
+    def _corrupt(self, key: str, e: Exception, after: Sequence[bytes] = ()) -> None:
+        """Delete a damaged row, counted once. The chain's rows past a damaged block go too: they
+        cannot be reached until it is written again, and the recompute that writes it offers them
+        again as well (a writer skips rows that exist, so damaged ones left there would stay)."""
         self.counters.corrupt += 1
-        log.warning("prefix cache: deleting corrupt SSD row %s: %s", key, e)
+        log.warning("prefix cache: deleting corrupt SSD row %s (and the %d blocks after it): %s", key, len(after), e)
         try:
             self.storage.delete(key)
+            for digest in after:
+                self.storage.delete(block_key(digest))
+                self.storage.delete(state_key(digest))
         except Exception as exc:
             log.warning("prefix cache: cannot delete %s: %s", key, exc)
 

@@ -182,14 +182,14 @@ class TieredStore:
                 if self.ram.add(b, persisted=True):
                     self.ram.counters.promotions += 1
             got += more
-            if len(got) < want:
-                return None
         if not got:
             return None
         exact = got[0].layout.needs_exact
         self._exact = exact
-        if not exact:
+        if not exact:  # a row missing or damaged part-way: the blocks before it still serve
             return got, None
+        if len(got) < want:
+            return None
         digest = f.chain[want - 1]
         state = self.ram.state_at(digest)
         if state is None and self.ssd is not None and tier == "ssd":
