@@ -104,6 +104,8 @@ def _problems(data: Mapping[str, Any]) -> list[str]:
              if "skipped" in v or "failed" in v]
     for k, v in data["servers"].items():
         notes += [f"{k} turn {t['turn']} failed: {t['error']}" for t in v.get("turns", []) if not t["ok"]]
+        if v.get("interrupted"):
+            notes.append(f"{k}: interrupted after {len(v.get('turns', []))} turns (a time limit)")
     return notes + [f"prompt size mismatch: {m}" for m in token_mismatches(data)]
 
 

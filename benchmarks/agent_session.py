@@ -202,14 +202,20 @@ def run_interleaved(names: list[str], apis: dict[str, str], model_dir: Path, bas
             print(f"[{name}] serving after {ready_s:.1f} s; session over {apis[name]}", flush=True)
         sends = {name: _sender(apis[name], cfgs[name], trace, max_tokens) for name in names}
         turns: dict[str, list[TurnResult]] = {name: [] for name in names}
-        for turn in range(1, trace.turns + 1):
-            for name in (names if turn % 2 else names[::-1]):
-                [result], _ = asyncio.run(run_session(lambda client, _t, n=name, k=turn: sends[n](client, k), 1,
-                                                      label=f"[{name}] turn {turn}"))
-                turns[name].append(result)
+        interrupted = False
+        try:
+            for turn in range(1, trace.turns + 1):
+                for name in (names if turn % 2 else names[::-1]):
+                    [result], _ = asyncio.run(run_session(lambda client, _t, n=name, k=turn: sends[n](client, k), 1,
+                                                          label=f"[{name}] turn {turn}"))
+                    turns[name].append(result)
+        except KeyboardInterrupt:  # (a time limit's SIGINT) keep the turns measured; the servers stop below
+            print("interrupted: stopping the servers, keeping the turns measured so far", flush=True)
+            interrupted = True
     return {name: {"label": name, "api": apis[name], "command": specs[name].command_text,
                    "session_s": sum(t.e2e_s for t in turns[name]), "order": "interleaved",
-                   "turns": [asdict(t) for t in turns[name]]} for name in names}
+                   "turns": [asdict(t) for t in turns[name]], **({"interrupted": True} if interrupted else {})}
+            for name in names}
 
 
 def token_counter(model_dir: Path) -> tuple[Any, Callable[[str], int]]:

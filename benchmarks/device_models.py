@@ -19,7 +19,9 @@ MODEL_1B = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, 
                 num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=True)
 MODEL_TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True)
-CONTEXT = 4096
+# 32k: the agent trace (benchmarks/agent_trace.py) is ~21k tokens with these random BPE tokenizers and the
+# side-by-side multi-turn part passes 4,096 by its last turns (random replies re-tokenize longer).
+CONTEXT = 32768
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
 
 

@@ -80,4 +80,7 @@ run $N (carry ["$DIR/p$N"]), within 30 s of run $((N - 1)):
 later runs in the same lease (carry ["$DIR/p$N"]):
   set -o pipefail; cd \$PWD/$DIR/p$N/src && bash benchmarks/device_http.sh smollm2 2>&1 | tee \$OUT/device_http.log
   set -o pipefail; cd \$PWD/$DIR/p$N/src && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m benchmarks.device_bench --repeats 2 --profile 2>&1 | tee \$OUT/device_bench.log
+the agent workload (issue 31; docs/accelerators.md), two runs of <= 10 minutes (the last install run may run agent):
+  set -o pipefail; cd \$PWD/$DIR/p$N/src && bash benchmarks/device_http.sh agent 2>&1 | tee \$OUT/device_http.log
+  set -o pipefail; cd \$PWD/$DIR/p$N/src && bash benchmarks/device_http.sh reuse,ssd,goals 2>&1 | tee \$OUT/device_http.log
 EOF

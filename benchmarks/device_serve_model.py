@@ -2,6 +2,7 @@
 
     python -m benchmarks.device_serve_model smollm2 /tmp/models/smollm2   # SmolLM2-135M's shape, bf16
     python -m benchmarks.device_serve_model 1b /tmp/models/llama1b        # the 1.04B llama, bf16
+    python -m benchmarks.device_serve_model smollm2-mini /tmp/m --dtype float32   # CPU dry runs
 
 The device machine has no network, so no checkpoint: weights are random (seeded), in bf16 as a GPU
 serves them, with a byte-level BPE tokenizer of exactly the model's vocabulary (device_models.py)
@@ -25,7 +26,11 @@ from benchmarks.device_models import CONTEXT, MODEL_1B, MODEL_TINY, SPECIALS, bu
 # SmolLM2-135M-Instruct's shape (the default model): 30 layers, hidden 576, 9/3 heads, 49,152 tied vocabulary.
 MODEL_SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0)
-SHAPES = {"smollm2": MODEL_SMOLLM2, "1b": MODEL_1B, "tiny": MODEL_TINY}
+# SmolLM2's vocabulary (so the same tokenizer and token counts as "smollm2"), two narrow layers: for dry runs
+# of the device scripts on a CPU.
+MODEL_SMOLLM2_MINI = dict(MODEL_SMOLLM2, hidden_size=192, num_hidden_layers=2, intermediate_size=384,
+                          num_attention_heads=3, num_key_value_heads=1)
+SHAPES = {"smollm2": MODEL_SMOLLM2, "smollm2-mini": MODEL_SMOLLM2_MINI, "1b": MODEL_1B, "tiny": MODEL_TINY}
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
