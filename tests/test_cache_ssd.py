@@ -46,6 +46,7 @@ def test_writes_are_handed_over_a_tick_later(tmp_path):
     s.tick()  # the next step hands it to the writer
     s.flush()
     assert s.stats()["ssd"]["writes"] == 4 and s.stats()["ssd"]["queued"] == 0
+    assert s.stats()["ssd"]["queued_bytes"] == 0
     s.close()
 
 
@@ -252,6 +253,23 @@ def test_write_queue_drops_counted_and_demoted_later(tmp_path):
     assert st["ram"]["evictions"] == 4 and st["ssd"]["demotions"] == 2 and st["ssd"]["writes"] == 4
     s.set_ram_budget(10**8)
     assert s.lookup(toks(70)).num_tokens == 64
+    s.close()
+
+
+def test_write_queue_byte_limit_drops_counted(tmp_path):
+    from cache_tiers.config import CacheConfig
+    from cache_tiers.factory import build_store
+
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    storage.gate.clear()
+    s = build_store(CacheConfig(ram_bytes=10**8, block_size=BLOCK, min_restore_tokens=4), "fp-test",
+                    storage=storage, queue_bytes=2 * entry_bytes(BLOCK))
+    s.offer(toks(64), kv_cache(64), "finished")  # 4 blocks; 2 fit the byte limit
+    st = s.stats()["ssd"]
+    assert st["write_drops"] == 2 and st["queued_bytes"] == 2 * entry_bytes(BLOCK)
+    storage.gate.set()
+    settle(s)
+    assert s.stats()["ssd"]["writes"] == 2 and s.stats()["ssd"]["queued_bytes"] == 0
     s.close()
 
 
