@@ -67,11 +67,15 @@ class RamTier:
         return sum(1 for node in self._nodes.values() if node.state is not None)
 
     # -- lookups --------------------------------------------------------------------------------
-    def reach(self, chain: Sequence[bytes]) -> int:
-        """How many leading blocks of `chain` are held (prefix-closed: the first miss ends it)."""
+    def reach(self, chain: Sequence[bytes], tokens: np.ndarray | None = None, block_size: int = 0) -> int:
+        """How many leading blocks of `chain` are held (prefix-closed: the first miss ends it).
+        With the prompt's `tokens`, a held block must also hold the prompt's own token ids there:
+        the digest is an index, not a proof, so even a hash collision cannot serve wrong state."""
         k = 0
         for digest in chain:
-            if digest not in self._nodes:
+            node = self._nodes.get(digest)
+            if node is None or (tokens is not None and not np.array_equal(
+                    node.block.tokens, tokens[k * block_size:(k + 1) * block_size])):
                 break
             k += 1
         return k
@@ -217,6 +221,8 @@ class RamTier:
             heapq.heappush(self._leaves, item)
         if self.nbytes > self.budget and keep in self._nodes:
             self._evict(self._nodes[keep])
+        while self.nbytes > self.budget and self._root_tails:  # offers shorter than a block
+            self.nbytes -= self._root_tails.pop(0).nbytes
 
     def _evict(self, node: _Node) -> None:
         block = node.block

@@ -149,7 +149,7 @@ class SsdTier:
             try:
                 data = self.storage.get(key)
                 if data is None:
-                    self._drop_unreadable(key)
+                    self._drop_unreadable(key, chain[j + 1:last])
                     break
                 block = codec.decode_block(data, self.fingerprint, chain[j], bs)
             except (codec.CorruptEntry, UnsafeRow) as e:
@@ -196,13 +196,19 @@ class SsdTier:
         except Exception as exc:
             log.warning("prefix cache: cannot delete %s: %s", key, exc)
 
-    def _drop_unreadable(self, key: str) -> None:
+    def _drop_unreadable(self, key: str, after: Sequence[bytes] = ()) -> None:
         """A row that reads as nothing: evicted since the probe (normal), or a row whose file is
-        gone (the directory was deleted or its files removed): a fault, counted."""
+        gone (the directory was deleted or its files removed): a fault, counted; the chain's rows
+        past it go too (their files are likely gone as well, and a writer skips rows that exist,
+        so the recompute could not write them again)."""
         if self.storage.contains(key):
             self.lost_files += 1
-            log.warning("prefix cache: the file of SSD row %s is missing (directory deleted?); dropping it", key)
+            log.warning("prefix cache: the file of SSD row %s is missing (directory deleted?); dropping it "
+                        "and the %d blocks after it", key, len(after))
             self.storage.delete(key)
+            for digest in after:
+                self.storage.delete(block_key(digest))
+                self.storage.delete(state_key(digest))
 
     def flush(self) -> None:
         """Wait until what has been handed to the writer is on disk (any thread). Offers not yet

@@ -87,14 +87,16 @@ class TieredStore:
             return None
         limit = (n - 1) // self.block_size  # whole blocks, leaving a token to feed
         chain = tuple(self._chain(toks[:limit * self.block_size], salt))
-        ram = self.ram.reach(chain)
+        ram = self.ram.reach(chain, toks, self.block_size)
         if self._exact is None and ram:  # the blocks say whether the model has exact layers
             self._exact = self.ram.blocks(chain[:1])[0].layout.needs_exact
         ram_state = self._ram_state(chain, ram) if self._exact else ram
         ssd = ssd_state = 0
         if self.ssd is not None and ram_state < limit:
             ssd, ssd_state = self.ssd.probe(chain, ram + 1, self._exact, ram_state)
-            if not self._exact:  # no exact layers (or not known yet: a restore reads and learns)
+            if self._exact is False or (self._exact is None and ssd_state == 0):
+                # No exact layers (or not known yet and the disk holds no exact state on this chain:
+                # the restore reads the blocks and learns): the whole run serves.
                 ssd_state = max(ssd_state, ssd)
         best = max(ram_state, ssd_state)
         num = best * self.block_size
@@ -159,7 +161,7 @@ class TieredStore:
     def _restore_tail(self, f: _Found) -> Hit | None:
         tail = f.tail
         assert tail is not None
-        if self.ram.reach(f.chain[:f.ram]) < f.ram:  # gone since find (a promotion evicted it)
+        if self.ram.reach(f.chain[:f.ram]) < f.ram:  # gone since find (evicted by an offer in between)
             return None
         got = self.ram.blocks(f.chain[:f.ram])
         cache = blk.assemble(got, tail.state, tail.layout.num_layers, tail, f.tail_rows)

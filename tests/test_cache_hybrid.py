@@ -180,8 +180,6 @@ def test_deeper_block_run_does_not_hide_a_shallower_state(tmp_path):
     s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="cache_tiers/tiered.py find: on a fresh store (_exact None) the SSD's "
-                   "block run is promised as servable; restore then finds no state at its end and serves nothing")
 def test_first_lookup_after_restart_finds_the_shallower_state(tmp_path):
     s = store(tmp_path, block_size=8, min_restore_tokens=4)
     s.offer(toks(16), _cache("ArraysCache", 16), "checkpoint")

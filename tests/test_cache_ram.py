@@ -44,8 +44,6 @@ def test_block_larger_than_budget_not_kept():
     assert st["blocks"] == 0 and st["rejected"] >= 1 and st["bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="cache_tiers/ram.py: tails of offers shorter than a block (root tails) "
-                   "are never evicted, so RAM bytes stay over the budget (even set_ram_budget(0))")
 def test_short_offer_tail_obeys_the_budget():
     s = store(ram_bytes=entry_bytes(10) - 1)
     s.offer(toks(10), kv_cache(10), "finished")

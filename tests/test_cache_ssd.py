@@ -133,8 +133,6 @@ def test_hash_collision_at_another_position_never_serves_from_ssd(tmp_path, monk
     assert s.stats()["ssd"]["hit_tokens"] <= BLOCK
 
 
-@pytest.mark.xfail(strict=True, reason="cache_tiers/ram.py + tiered.py: RAM finds blocks by digest only "
-                   "(RamTier.reach/blocks) and never compares the stored token ids with the prompt")
 def test_hash_collision_never_serves_from_ram(monkeypatch):
     _colliding(monkeypatch)
     s = store()

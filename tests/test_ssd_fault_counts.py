@@ -122,8 +122,6 @@ def test_deleted_directory_counts_lost_files(tmp_path):
     assert faults(s) == only(lost_files=1)
 
 
-@pytest.mark.xfail(strict=True, reason="cache_tiers/ssd.py _drop_unreadable: only the first lost row is dropped; "
-                   "the chain's later rows (files gone too) stay 'contained', so the writer skips them on re-offer")
 def test_deleted_directory_writes_resume(tmp_path):
     s, storage = stored(tmp_path, dim=64)
     shutil.rmtree(tmp_path / "ssd")
