@@ -4,7 +4,7 @@ token), turn by turn over the agent trace, with the default serve_config.yaml en
 (SSD tier on, a fresh directory). Set beside the HTTP run's TTFT (benchmarks/agent_session.py),
 the rest is the serving stack (Ray Serve, the engine process's socket, SSE).
 
-    python -m benchmarks.agent_breakdown MODEL_DIR [--turns 10] [--no-ssd] [--engine K=V ...]
+    python -m benchmarks.agent_breakdown MODEL_DIR [--turns 10] [--passes 2] [--no-ssd] [--engine K=V ...]
 
 Prints one line per turn and a JSON summary on the last line.
 """
@@ -46,7 +46,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     tok = engine.tokenizer
     syntax = syntax_for(tok)
     rows = []
-    for turn in range(1, trace.turns + 1):
+    for turn, salt in [(t, str(p)) for p in range(args.passes) for t in range(1, trace.turns + 1)]:
         body = anthropic_body(trace, turn, "m", 32)
         t0 = time.perf_counter()
         conv = parse_messages_request(body, Limits(), 4096)
@@ -56,7 +56,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         tokens = tok.encode(text, add_special_tokens=False)
         t3 = time.perf_counter()
         req = Request(tuple(tokens), SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
-                      request_id=f"turn-{turn}")
+                      request_id=f"turn-{turn}-{salt}", cache_salt=salt)
         first = end = None
         usage = None
         async for batch in engine.stream(req):
@@ -68,21 +68,20 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                     usage = e.usage
             end = now
         stats = engine.stats()
-        row = {"turn": turn, "prompt": len(tokens), "cached": usage.cached_tokens if usage else None,
+        row = {"turn": turn, "pass": int(salt), "prompt": len(tokens), "cached": usage.cached_tokens if usage else None,
                "parse_ms": 1e3 * (t1 - t0), "render_ms": 1e3 * (t2 - t1), "tokenize_ms": 1e3 * (t3 - t2),
                "engine_ttft_ms": 1e3 * ((first or t3) - t3), "engine_e2e_ms": 1e3 * ((end or t3) - t3)}
         rows.append(row)
-        print(f"turn {turn}: prompt {row['prompt']}, cached {row['cached']}: parse {row['parse_ms']:.1f} ms, "
+        print(f"pass {salt} turn {turn}: prompt {row['prompt']}, cached {row['cached']}: parse {row['parse_ms']:.1f} ms, "
               f"render {row['render_ms']:.1f} ms, tokenize {row['tokenize_ms']:.1f} ms, engine TTFT "
               f"{row['engine_ttft_ms']:.1f} ms, e2e {row['engine_e2e_ms']:.1f} ms", flush=True)
         await asyncio.sleep(args.gap)
     runner = stats.get("runner", {})
     await engine.shutdown()
-    later = rows[1:]
-    summary = {"turns": rows, "runner": runner,
-               "later_median": {k: statistics.median(r[k] for r in later)
-                                for k in ("parse_ms", "render_ms", "tokenize_ms", "engine_ttft_ms")} if later else {}}
-    return summary
+    keys = ("parse_ms", "render_ms", "tokenize_ms", "engine_ttft_ms")
+    later = {p: [r for r in rows if r["pass"] == p and r["turn"] > 1] for p in range(args.passes)}
+    return {"turns": rows, "runner": runner,
+            "later_median": {p: {k: statistics.median(r[k] for r in rs) for k in keys} for p, rs in later.items() if rs}}
 
 
 def main() -> None:
@@ -91,6 +90,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--no-ssd", action="store_true")
     p.add_argument("--gap", type=float, default=0.3, help="seconds between turns (the SSD writer runs meanwhile)")
+    p.add_argument("--passes", type=int, default=2,
+                   help="the session again under another cache salt (cold prefix cache, shapes seen before: "
+                        "what a pass costs the first time and what it costs again)")
     p.add_argument("--engine", nargs="*", default=[], help="engine settings K=V (YAML values)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(_main(args))))

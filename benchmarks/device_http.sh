@@ -30,6 +30,8 @@
 #          SSD_FLAGS (ssd_growth flags; default --fixed-replies: a random model's 64-token reply re-tokenizes
 #          to ~500 tokens, so each turn re-sends a fixed 64-token text instead, as ~250 tokens a turn needs).
 #          $OUT/ssd-<shape>.json, $OUT/logs-ssd.tgz.
+# breakdown: benchmarks/agent_breakdown.py under py-spy (the agent trace's turns in process, twice: the
+#          second pass under another cache salt, its shapes seen before). $OUT/breakdown.json, .pyspy.
 # goals:   benchmarks/device_goals.py: the ratios from whichever of those files $OUT holds (each
 #          part also prints its own). Each part runs under `timeout -s INT -k 45` (on the interrupt the
 #          benchmark stops its servers and keeps what it measured) and reports its time as "[part] N s".
@@ -118,6 +120,12 @@ for what in ${1//,/ }; do
       cp "$run/results.json" "$OUTDIR/agent-$SHAPE.json" 2>/dev/null
       tar -czf "$OUTDIR/logs-agent.tgz" -C "$run" logs
       python3 -m benchmarks.device_goals --shape "$SHAPE" --agent "$OUTDIR/agent-$SHAPE.json" --only-given ;;
+    breakdown)  # the agent turns in process (benchmarks/agent_breakdown.py) under py-spy: where a turn goes
+      M=$(agent_model) || { echo "[breakdown] could not build the $SHAPE model"; continue; }
+      bounded "${BREAKDOWN_TIMEOUT:-240}" py-spy record -r 200 --threads -f raw -o "$OUTDIR/breakdown.pyspy" -- \
+        python3 -m benchmarks.agent_breakdown "$M" --passes 2 ${BREAKDOWN_FLAGS:-} >"$OUTDIR/breakdown.json" \
+        2>/tmp/breakdown.stderr || tail -c 2000 /tmp/breakdown.stderr
+      grep -h "^pass" "$OUTDIR/breakdown.json"; tail -1 "$OUTDIR/breakdown.json" | cut -c1-600 ;;
     reuse)
       M=$(agent_model) || { echo "[reuse] could not build the $SHAPE model"; continue; }
       run=/tmp/reuse-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
