@@ -25,6 +25,7 @@ from api.errors import invalid, server_error
 from api.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
                                   tool_grammar)
 from api.output_parser import OutputParser
+from api.prompt_tokens import IncrementalEncoder
 from api.streaming import Tracker
 from api.tool_syntax import TemplateError, ToolSyntax, render_prompt, syntax_for
 
@@ -92,6 +93,14 @@ class Pipeline:
     def __init__(self, host: Host) -> None:
         self.host = host
         self._syntax: tuple[Any, ToolSyntax] | None = None  # (tokenizer, its syntax)
+        self._encoder: IncrementalEncoder | None = None
+
+    def encoder(self, tokenizer: Any) -> IncrementalEncoder:
+        """The prompt encoder of this tokenizer (api/prompt_tokens.py: an agent's resent conversation
+        is not encoded again)."""
+        if self._encoder is None or self._encoder.tokenizer is not tokenizer:
+            self._encoder = IncrementalEncoder(tokenizer)
+        return self._encoder
 
     def syntax(self, tokenizer: Any) -> ToolSyntax:
         if self._syntax is None or self._syntax[0] is not tokenizer:
@@ -106,9 +115,11 @@ class Pipeline:
             raise invalid("This model has no chat template; use /v1/completions with a plain prompt.")
         syntax = self.syntax(tok)
 
+        encoder = self.encoder(tok)
+
         def work() -> tuple[str, list[int]]:
             text = render_prompt(tok, conv.messages, conv.tools, syntax, dict(conv.chat_template_kwargs))
-            return text, list(tok.encode(text, add_special_tokens=False))
+            return text, encoder.encode(text, getattr(conv, "cache_salt", ""))
         try:
             text, tokens = await self.host.on_tok(work)
         except TemplateError as exc:

@@ -49,10 +49,13 @@ class SlotTable:
         self._free = list(range(rows))  # kept sorted: lowest first keeps the used span short
         self._used: set[int] = set()
 
-    def acquire(self) -> int:
+    def acquire(self, row: int | None = None) -> int:
+        """The lowest free row, or `row` when it is free (a row that still holds a prefix)."""
         if not self._free:
             raise RuntimeError(f"all {self.rows} batch rows are in use")
-        row = self._free.pop(0)
+        if row is None or row not in self._free:
+            row = self._free[0]
+        self._free.remove(row)
         self._used.add(row)
         return row
 

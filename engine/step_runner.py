@@ -62,6 +62,21 @@ def unsupported(model: Any, config: EngineConfig) -> str | None:
     return None
 
 
+def prefill_shape(tokens: int, start: int, block: int) -> tuple[int, int]:
+    """A GPU prefill forward's (query width, key length) for `tokens` new tokens after `start`,
+    from a few buckets: the width a multiple of `block`, the key length a multiple of an eighth of
+    its next power of two (at least `block`). Why: on MLX's CUDA backend the first forward of a
+    shape cost an agent's turn ~90 ms more than the same shape again (H200, smollm2 shape, 15-20k
+    tokens: engine TTFT 143-201 ms the first time, 54-85 ms under another cache salt;
+    benchmarks/agent_breakdown.py), and every turn of a growing conversation has a shape of its
+    own. Padding is masked (queries past a row's tokens are never read, keys past its length never
+    attended) and costs a GPU little: at most an eighth more keys."""
+    width = round_up(max(1, tokens), block)
+    end = start + width
+    step = max(block, (1 << max(end - 1, 1).bit_length()) // 8)
+    return width, round_up(end, step)
+
+
 class StepRunner:
     def __init__(self, model: Any, config: EngineConfig) -> None:
         self._model = model
@@ -76,7 +91,7 @@ class StepRunner:
         self._flat = self._on_cpu and supports_flat(model)  # decode and prompt chunks in one forward
         # For the step report: prompt tokens fed, host time building steps, time waiting for a
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
-        self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0}
+        self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0, "rows_reused": 0}
         self._shapes_seen: set[tuple[int, ...]] = set()
         self._new_table()
 
@@ -85,6 +100,10 @@ class StepRunner:
         self._kv = SlotKV(self._shapes, self._block, self._config.max_kv_size)
         self._next_input = mx.zeros((0,), mx.int32)  # per row: the token it feeds next, on the device
         self._slots: dict[str, Slot] = {}  # in admission order
+        # Free rows and the tokens whose KV they still hold (positions [0, len)): a request whose
+        # restored prefix one of them holds takes that row and skips copying the prefix in. An
+        # agent's next turn usually finds its previous turn's row untouched.
+        self._left: dict[int, list[int]] = {}
         self._inflight: Work | None = None
         self._last_read: float | None = None
 
@@ -114,12 +133,16 @@ class StepRunner:
         """Start `tokens` (the uncached rest of the prompt, at least one) on top of `cache` (covering `cached`)."""
         if not tokens:
             raise ValueError("a request needs at least one prompt token to feed")
-        row = self._table.acquire()
+        held = self._holding(cached) if cache is not None and cached else None
+        row = self._table.acquire(held)
+        self._left.pop(row, None)
         try:
             # The whole prompt's positions now: growing the table copies every row, and a copy per
             # chunk as a long prompt is fed would stall the running decodes again and again.
             self._grow(row + 1, len(cached) + len(tokens) + 2)
-            if cache is not None and cached:
+            if row == held:  # the row holds the prefix already: the restored copy is never computed
+                self._counts["rows_reused"] += 1
+            elif cache is not None and cached:
                 self._kv.write_prefix(row, cache, len(cached))
         except Exception:
             self._table.release(row)
@@ -156,7 +179,18 @@ class StepRunner:
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._table.release(slot.row)
+            if self.kv_window is None:  # a ring holds only its window: nothing to find again
+                self._left[slot.row] = slot.known[:min(slot.length, len(slot.known))]
         return kept
+
+    def _holding(self, cached: Sequence[int]) -> int | None:
+        """A free row whose KV starts with `cached` (the longest such, so shorter ones stay for others)."""
+        n, best, best_len = len(cached), None, -1
+        want = list(cached)
+        for row, held in self._left.items():
+            if len(held) >= n and len(held) > best_len and held[:n] == want:
+                best, best_len = row, len(held)
+        return best
 
     def reset(self) -> list[str]:
         """Drop every sequence and start a clean table; returns the ids that were dropped."""
@@ -328,11 +362,14 @@ class StepRunner:
 
     def _prefill_group(self, group: list[tuple[Slot, int]]) -> list[tuple[Slot, tuple[mx.array, mx.array]]]:
         width = max(n for _, n in group)
-        self._grow(self._table.span, max(s.length for s, _ in group) + width + 1)
-        inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
         starts = [s.length for s, _ in group]
-        keys_len = self._keys_len(max(a + width for a in starts)) if len(group) == 1 \
-            else round_up(max(a + width for a in starts), self._block)
+        if self._on_cpu or self.kv_window is not None:
+            keys_len = self._keys_len(max(a + width for a in starts)) if len(group) == 1 \
+                else round_up(max(a + width for a in starts), self._block)
+        else:  # a GPU: shapes from a few buckets (see prefill_shape)
+            width, keys_len = prefill_shape(width, max(starts), self._block)
+        self._grow(self._table.span, max(max(starts) + width, keys_len) + 1)
+        inputs = mx.array([s.rest[s.fed:s.fed + n] + [0] * (width - n) for s, n in group], dtype=mx.int32)
         batch = Batch(self._kv, starts, width, [s.row for s, _ in group], keys_len, [n for _, n in group])
         self._shapes_seen.add((len(group), width, keys_len, self._kv.capacity))
         self._counts["prefill_tokens"] += sum(n for _, n in group)

@@ -385,3 +385,50 @@ def test_bounded_kv_direct_first_token_matches_the_batch(model):
         while len(runner):
             rest += [g.token for g in runner.step()[1]]
         assert rest == reference.tokens[1:]
+
+
+def gpu_shaped(model, config):
+    """The own step as it runs on a GPU (bucketed shapes, padded prefill groups, no flat forward),
+    run here on the CPU: MLX computes the same ops on either device."""
+    from engine.slots import POSITION_BLOCK_GPU
+
+    runner = StepRunner(model, config)
+    runner._on_cpu, runner._flat, runner._block = False, False, POSITION_BLOCK_GPU
+    return runner
+
+
+def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):
+    """A GPU prefill pads its query width to a multiple of the position block and its key length
+    to an eighth of the next power of two: the padding is never attended, outputs match."""
+    from engine.step_runner import prefill_shape
+
+    assert prefill_shape(600, 15000, 256) == (768, 16384)
+    assert prefill_shape(40, 20010, 256) == (256, 20480)
+    assert prefill_shape(1, 0, 256) == (256, 256)
+    jobs = random_jobs(model.args.vocab_size, seed=5, n=8, spread=10)
+    jobs[2].prefix = len(jobs[2].prompt) // 2
+    made = []
+    ours = drive(model, lambda m, c: made.append(gpu_shaped(m, c)) or made[-1], jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    prefills = {(w, k) for g, w, k, _ in (s for s in made[0]._shapes_seen if len(s) == 4) if w > 1}
+    assert prefills and all(w % 256 == 0 and k % 256 == 0 for w, k in prefills)
+
+
+def test_a_turn_whose_prefix_a_free_row_still_holds_takes_that_row(model):
+    """An agent's next turn: its restored prefix is what the row of its previous turn still holds,
+    so the row is taken again and nothing is copied in; the output is the reference's. A prompt
+    that shares less than its restored prefix with a free row does not take it."""
+    rng = random.Random(7)
+    vocab = model.args.vocab_size
+    first = Job([rng.randrange(1, vocab) for _ in range(90)], 12)
+    runner = StepRunner(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4))
+    [done] = drive(model, lambda m, c: runner, [first])
+    history = first.prompt + done.tokens[:-1]  # the row holds the prompt and all but the last output
+    follow = Job(history + [rng.randrange(1, vocab) for _ in range(20)], 8, prefix=len(history))
+    other = Job(first.prompt[:50] + [rng.randrange(1, vocab) for _ in range(60)], 8, prefix=60)
+    ours = drive(model, lambda m, c: runner, [follow])
+    assert runner.counters()["rows_reused"] == 1
+    assert_same(ours, drive(model, Runner, [follow]))
+    ours = drive(model, lambda m, c: runner, [other])  # shares 50 tokens, restores 60: no row holds it
+    assert runner.counters()["rows_reused"] == 1
+    assert_same(ours, drive(model, Runner, [other]))
