@@ -10,9 +10,10 @@ the start of a prompt's last segment (where the next turn's text goes on differe
 generation prompt) are remembered, keyed by a hash chain over the segments; a later prompt that
 begins with the same text encodes only what follows.
 
-Only special tokens that strip no whitespace around them are boundaries (an `lstrip` token would
-take the spaces before it, which the split encoding would keep). The first encodings of each
-tokenizer are checked against a whole encoding; a mismatch turns reuse off for that tokenizer and
+Only special tokens that strip no whitespace around them and are matched in the raw text are
+boundaries (an `lstrip` token would take the spaces before it, which the split encoding would
+keep; a `normalized` one is matched after normalization). The first encoding of each tokenizer is
+checked against a whole encoding; a mismatch turns reuse off for that tokenizer and
 is logged, so a tokenizer this reasoning does not hold for costs only time, never a wrong prompt.
 The cache is keyed by a salt (the caller's tenant) too: one tenant's prompts never shorten the
 encoding time of another's.
@@ -29,7 +30,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-CHECKS = 3  # encodings checked against a whole encoding, per tokenizer
+CHECKS = 1  # encodings checked against a whole encoding, per tokenizer (each costs a whole encoding)
 MAX_ENTRIES = 512  # remembered prefixes (an agent session holds one at a time)
 MAX_TOKENS = 8_000_000  # token ids held in all (about 64 MB of Python ints at worst)
 
@@ -97,7 +98,8 @@ def _boundaries(tokenizer: Any) -> list[str]:
     except Exception:  # a tokenizer without added tokens: nothing to split at
         return []
     return [t.content for t in added.values() if getattr(t, "special", False) and t.content
-            and not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False)]
+            and not getattr(t, "lstrip", False) and not getattr(t, "rstrip", False)
+            and not getattr(t, "normalized", False)]  # matched in the raw text, as the split is
 
 
 def _chain(text: str, cuts: list[int], salt: str) -> list[bytes]:
