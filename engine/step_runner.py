@@ -64,17 +64,19 @@ def unsupported(model: Any, config: EngineConfig) -> str | None:
 
 def prefill_shape(tokens: int, start: int, block: int) -> tuple[int, int]:
     """A GPU prefill forward's (query width, key length) for `tokens` new tokens after `start`,
-    from a few buckets: the width a power of two (at least `block`), the key length a multiple of
-    an eighth of its next power of two (at least `block`). Why: on MLX's CUDA backend the first forward of a
+    from a few buckets: the width a multiple of `block`, the key length a multiple of an eighth of
+    its next power of two (at least `block`). Why: on MLX's CUDA backend the first forward of a
     shape cost an agent's turn ~90 ms more than the same shape again (H200, smollm2 shape, 15-20k
     tokens: engine TTFT 143-201 ms the first time, 54-85 ms under another cache salt;
     benchmarks/agent_breakdown.py), and every turn of a growing conversation has a shape of its
     own. Padding is masked (queries past a row's tokens are never read, keys past its length never
-    attended) and costs a GPU little: at most an eighth more keys, and queries of a chunk that is
-    short anyway (a full chunk, `prefill_chunk` 2048 on a GPU, is a power of two). With widths in
-    multiples of 256 the agent session still met a new shape on 4 of its 9 later turns (engine TTFT
-    105-129 ms there against 42-59 ms on the others)."""
-    width = max(block, 1 << max(tokens - 1, 1).bit_length())
+    attended) and costs a GPU little: at most an eighth more keys and a block more queries.
+    Measured (H200 agent session, benchmarks/results/device-s16/): these buckets, later turns
+    84-204 ms over HTTP (median 0.59x mlx_lm.server); widths in powers of two instead, 92-254 ms
+    (0.82x): wider chunks cost more than the shapes they spared. A session still meets a new
+    (width, key length) pair on about 4 of 9 later turns (engine TTFT 105-129 ms there against
+    42-59 ms on the others): a first-use cost of MLX's CUDA backend."""
+    width = round_up(max(1, tokens), block)
     end = start + width
     step = max(block, (1 << max(end - 1, 1).bit_length()) // 8)
     return width, round_up(end, step)

@@ -402,7 +402,7 @@ def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):
     to an eighth of the next power of two: the padding is never attended, outputs match."""
     from engine.step_runner import prefill_shape
 
-    assert prefill_shape(600, 15000, 256) == (1024, 16384)
+    assert prefill_shape(600, 15000, 256) == (768, 16384)
     assert prefill_shape(2048, 15000, 256) == (2048, 20480)
     assert prefill_shape(40, 20010, 256) == (256, 20480)
     assert prefill_shape(1, 0, 256) == (256, 256)
@@ -412,7 +412,7 @@ def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):
     ours = drive(model, lambda m, c: made.append(gpu_shaped(m, c)) or made[-1], jobs)
     assert_same(ours, drive(model, Runner, jobs))
     prefills = {(w, k) for g, w, k, _ in (s for s in made[0]._shapes_seen if len(s) == 4) if w > 1}
-    assert prefills and all(w >= 256 and w & (w - 1) == 0 and k % 256 == 0 for w, k in prefills)
+    assert prefills and all(w % 256 == 0 and k % 256 == 0 for w, k in prefills)
 
 
 def test_a_turn_whose_prefix_a_free_row_still_holds_takes_that_row(model):
