@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -30,12 +29,6 @@ from engine.types import (ContextLengthError, EngineClosedError, FinishReason, I
 log = logging.getLogger("pomona.engine")
 
 IDLE_WAIT_S = 0.5
-# The interpreter's GIL switch interval in the engine's process. The MLX thread builds every step in
-# Python; another thread holding the GIL (the SSD writer serializing blocks, socket and event-loop
-# threads) makes it wait up to the interval before it gets the GIL back: Python's default 5 ms is
-# a third of a 15 ms step (H200, 1B, 128 concurrent: steps 18.3 ms with the SSD writer busy against
-# 15.9 ms without it, the MLX thread's own CPU time nearly the same: 10.4 against 10.1 ms).
-SWITCH_INTERVAL_S = 0.0005
 CLOSED = "The server is shutting down; retry on another replica."
 STATS_EVERY_S = 0.25
 
@@ -96,8 +89,6 @@ class AsyncEngine:
         self.tokenizer: Any = None
         self.context_length = 0
         self.model_name = config.model
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="pomona-mlx", daemon=True)
         self._thread.start()
 
