@@ -13,7 +13,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import httpx
 
@@ -132,6 +132,17 @@ class _NotAccepted(Exception):
     """The connection failed before any response header: the server never took the request."""
 
 
+
+async def sse_json(resp: Any) -> AsyncIterator[dict]:
+    """The JSON payloads of an OpenAI-style server-sent event stream, up to its `[DONE]`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
 async def _stream_once(client: httpx.AsyncClient, cfg: EndpointConfig, body: dict[str, Any],
                        state: _StreamState) -> None:
     try:
@@ -143,13 +154,7 @@ async def _stream_once(client: httpx.AsyncClient, cfg: EndpointConfig, body: dic
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")[:300]
             raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
+        async for chunk in sse_json(resp):
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             state.on_chunk(chunk, time.perf_counter())

@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from benchmarks.client import EndpointConfig, percentile, stream_chat, wait_serving
+from benchmarks.client import EndpointConfig, percentile, sse_json, stream_chat, wait_serving
 from benchmarks.workloads import TextMaker
 
 GOAL_RATIO = 1.5
@@ -191,13 +191,7 @@ async def decode_stream(client: httpx.AsyncClient, cfg: EndpointConfig, prompt: 
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            async for chunk in sse_json(resp):
                 if any(((c.get("delta") or {}).get("content") for c in chunk.get("choices") or [])):
                     out.stamps.append(time.perf_counter())
         out.ended = time.perf_counter()

@@ -43,14 +43,7 @@ def test_restored_prefix_matches_cold(llama, tmp_path):
     cold = generate(model, prompt, STEPS)
     s = store(tmp_path, block_size=4, min_restore_tokens=4)
     s.offer(first, prefilled(model, first), "finished")
-    for tier in ("ram", "ssd", "restart"):
-        if tier == "ssd":
-            s.tick(drain=True)
-            s.flush()
-            s.clear("ram")
-        if tier == "restart":
-            s.close()
-            s = store(tmp_path, block_size=4, min_restore_tokens=4)
+    for tier, s in each_tier(s, tmp_path, block_size=4, min_restore_tokens=4):
         hit = s.lookup(prompt)
         assert hit is not None and hit.tier == ("ram" if tier == "ram" else "ssd")
         n = len(first) if tier == "ram" else len(first) // 4 * 4
@@ -76,6 +69,17 @@ def test_exact_hit_feeds_last_token(llama):
     assert same_logprobs(warm[1], twin[1])
 
 
+def each_tier(s, tmp_path, **cfg):
+    """(tier, store) three times: as offered (RAM), the SSD alone (RAM cleared), after a restart."""
+    yield "ram", s
+    s.tick(drain=True)
+    s.flush()
+    s.clear("ram")
+    yield "ssd", s
+    s.close()
+    yield "restart", store(tmp_path, **cfg)
+
+
 def _rotating(model, size: int = 8) -> list[RotatingKVCache]:
     # the tiny llama has its own make_cache, so make_prompt_cache(max_kv_size=...) would not rotate
     return [RotatingKVCache(max_size=size, keep=4) for _ in model.layers]
@@ -91,14 +95,7 @@ def test_rotating_cache_restored_matches_the_offered_cache(llama, tmp_path):
     s.offer(aligned, prefilled(model, aligned, _rotating(model)), "checkpoint")
     s.offer(first, prefilled(model, first, _rotating(model)), "finished")
     assert prefilled(model, first, _rotating(model))[0].offset > 8  # rotated past its window
-    for tier in ("ram", "ssd", "restart"):
-        if tier == "ssd":
-            s.tick(drain=True)
-            s.flush()
-            s.clear("ram")
-        if tier == "restart":
-            s.close()
-            s = store(tmp_path, block_size=4, min_restore_tokens=4)
+    for tier, s in each_tier(s, tmp_path, block_size=4, min_restore_tokens=4):
         hit = s.lookup(prompt)
         assert hit is not None and hit.tier == ("ram" if tier == "ram" else "ssd")
         offered = first if tier == "ram" else aligned  # a tail (RAM) or the boundary's exact state
