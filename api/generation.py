@@ -20,7 +20,7 @@ from mlx_lm.tool_parsers import json_tools
 from engine.types import MAX_STOP_STRINGS, SamplingParams
 
 from api.conversation import Completion, Conversation, OutputEvent, Tool, Usage
-from api.wire import sampling_to_wire
+from api.wire import SALT_KEY, sampling_to_wire
 from api.errors import invalid, server_error
 from api.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
                                   tool_grammar)
@@ -39,6 +39,7 @@ class Host(Protocol):
     def require_ready(self) -> Any: ...
     async def on_tok(self, fn: Callable[[], Any]) -> Any: ...
     def check_model(self, name: str) -> None: ...
+    def salt(self, request: Any, own: str) -> str: ...
     async def first(self, stream: AsyncIterator[Any]) -> list[Any]: ...
 
 
@@ -134,7 +135,9 @@ class Pipeline:
                                     allow_text=False, start_token=start, end_token=end), conv.tools_param
         return answer_grammar(conv.output_format), conv.format_param
 
-    async def prepare(self, conv: Conversation) -> Prepared:
+    async def prepare(self, conv: Conversation, salt: str = "") -> Prepared:
+        """`salt`: the request's prefix-cache partition (the caller's tenant and the request's own
+        `cache_salt`, api/auth.py `cache_salt`); it travels beside the sampling settings."""
         self.host.check_model(conv.model)
         ready = self.host.require_ready()
         text, tokens, syntax = await self.render(conv)
@@ -153,7 +156,7 @@ class Pipeline:
         sampling = dataclasses.replace(conv.sampling, max_tokens=self._max_tokens(conv, len(tokens), ready),
                                        grammar=grammar)
         sampling, added = _end_at_first_call(conv, sampling, syntax, ready.tokenizer)
-        return Prepared(conv, tuple(tokens), sampling_to_wire(sampling), syntax,
+        return Prepared(conv, tuple(tokens), {**sampling_to_wire(sampling), SALT_KEY: salt}, syntax,
                         _opens_reasoning(ready.tokenizer, text), added)
 
     def _max_tokens(self, conv: Conversation, n_prompt: int, ready: Any) -> int:
