@@ -20,9 +20,17 @@ from engine.types import FinishReason, Request, SamplingParams
 FREE_TEXT = LLMatcher.grammar_from_lark("start: TEXT\nTEXT: /(.|\\n)*/")
 
 
-def long_request(rid: str) -> Request:
+def slow_grammar() -> str:
+    """A grammar whose compile takes ~0.5 s on the tiny model (8,000 patterned properties): the window
+    in which the client leaves. Free text after it, so a request that does run, runs long."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}
+                                               for i in range(8000)}}
+    return LLMatcher.grammar_from_json_schema(schema)
+
+
+def long_request(rid: str, grammar: str = FREE_TEXT) -> Request:
     return Request(tuple(range(7, 17)), SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0,
-                                                       grammar=FREE_TEXT), request_id=rid)
+                                                       grammar=grammar), request_id=rid)
 
 
 async def never_ran(engine, seconds: float = 1.5) -> None:
@@ -65,23 +73,24 @@ def test_an_abort_while_the_grammar_compiles_in_process(tiny_model_dir, monkeypa
 
 
 def test_an_abort_while_the_grammar_compiles_in_the_engine_process(tiny_model_dir):
-    """The default deployment: the client leaves 50 ms after sending; the engine process is still
-    compiling (its first grammar builds llguidance's tokenizer, ~0.5 s)."""
+    """The default deployment: the client leaves 50 ms after sending, while the engine process compiles."""
     from deployments.engine_process import EngineProcess
 
     async def main() -> None:
         engine = EngineProcess(EngineConfig(model=str(tiny_model_dir), cache=CacheConfig(enabled=False)))
         await engine.wait_ready(120)
         try:
-            stream = engine.stream(long_request("gone"))
+            grammar = slow_grammar()
+            stream = engine.stream(long_request("gone", grammar))
             first = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(0.05)
+            assert not first.done()  # no event yet: the engine process is still compiling
             first.cancel()  # the consumer leaves: the stream sends the abort
             await asyncio.gather(first, return_exceptions=True)
             await never_ran(engine)
             # The engine still serves, the same grammar included.
             batches = await _all(engine.stream(Request((7, 8, 9), SamplingParams(max_tokens=3, ignore_eos=True,
-                                                                                 grammar=FREE_TEXT), request_id="next")))
+                                                                                 grammar=grammar), request_id="next")))
             assert batches[-1][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         finally:
             await engine.shutdown()
