@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.errors import ApiError, invalid, unavailable
-from api.metrics import IngressMetrics
+from api.metrics import IngressMetrics, request_label
 
 log = logging.getLogger("pomona.admin")
 
@@ -77,12 +77,12 @@ class AdminRoutes:
             log.warning("admin %s failed", action, exc_info=True)
             return self._error(request, unavailable("A model server replica did not answer the admin call; "
                                                     "retry shortly (it may be restarting)."))
-        self.metrics.count(request.url.path, 200)
+        self.metrics.count(request_label(request.scope), 200)
         return JSONResponse({"object": "list", "replicas_expected": self.replicas,
                              "replicas_reached": len(answers), "data": answers})
 
     def _error(self, request: Request, err: ApiError) -> Response:
-        self.metrics.count(request.url.path, err.status)
+        self.metrics.count(request_label(request.scope), err.status)
         return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
 
     async def requests(self, request: Request) -> Response:

@@ -30,6 +30,7 @@ from api.conversation import (Completion, Conversation, OutputEvent, ReasoningDe
 from api.dialect import Context, respond
 from api.errors import ApiError, server_error
 from api.generation import Run, merged
+from api.metrics import request_label
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -213,9 +214,9 @@ def routes(server: Any) -> list[Route]:
                                           dialect.engine_max_tokens, counting=True)
             n = await server.pipeline.count_tokens(conv)
         except ApiError as err:
-            server.metrics.count(request.url.path, err.status)
+            server.metrics.count(request_label(request.scope), err.status)
             return dialect.error(err)
-        server.metrics.count(request.url.path, 200)
+        server.metrics.count(request_label(request.scope), 200)
         return JSONResponse({"input_tokens": n})
 
     return [Route("/v1/messages", messages, methods=["POST"]),

@@ -56,7 +56,7 @@ def parse_messages_request(body: Mapping[str, Any], limits: oa.Limits, engine_ma
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, output_format=_output_format(body),
         chat_template_kwargs=tuple(sorted(kwargs.items())), stream=False if counting else oa.read_field(
             body, "stream", bool, False),
-        format_param="output_config.format")
+        format_param="output_config.format", cache_salt=oa.read_cache_salt(body))
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -92,6 +92,7 @@ def _stop_sequences(value: Any, limits: oa.Limits) -> list[str]:
     if len(value) > limits.max_stop:
         raise invalid(f"'stop_sequences' may hold at most {limits.max_stop} strings, got {len(value)}.",
                       param="stop_sequences")
+    oa.check_stop_lengths(value, limits, "stop_sequences")
     return list(dict.fromkeys(value))
 
 

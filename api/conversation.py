@@ -106,6 +106,7 @@ class Conversation:
     logprobs: bool = False
     format_param: str = "response_format"  # the client's name for output_format, for error messages
     tools_param: str = "tools"
+    cache_salt: str = ""  # the request's own prefix-cache partition (vLLM's `cache_salt`); "" none
 
 
 # ---------------------------------------------------------------------------------------------- output

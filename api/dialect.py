@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.conversation import Completion, Conversation
 from api.errors import ApiError, with_request_id
+from api.metrics import request_label
 from api.generation import Pipeline, Prepared, Run, close_all, start_all
 from api.streaming import SSEResponse
 
@@ -48,11 +49,11 @@ class Dialect(Protocol):
 async def respond(request: Request, dialect: Dialect, pipeline: Pipeline,
                   read_json: Callable[[Request], Awaitable[dict[str, Any]]],
                   served_name: str) -> Response:
-    route, metrics = request.url.path, pipeline.host.metrics
+    route, metrics = request_label(request.scope), pipeline.host.metrics
     rid = f"{dialect.id_prefix}{uuid.uuid4().hex}"
     try:
         conv = dialect.parse(await read_json(request))
-        prepared = await pipeline.prepare(conv)
+        prepared = await pipeline.prepare(conv, pipeline.host.salt(request, conv.cache_salt))
         runs = await start_all(pipeline, prepared, rid, conv.n)
     except ApiError as err:
         metrics.count(route, err.status)

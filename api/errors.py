@@ -62,6 +62,11 @@ def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, "authentication_error", None, "invalid_api_key")
 
 
+def forbidden(message: str) -> ApiError:
+    """A valid key without the scope the route needs (an inference key on an admin route)."""
+    return ApiError(403, message, "permission_error", None, "insufficient_scope")
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"The request body is larger than {limit} bytes; send a shorter prompt or raise "
                          "limits.max_body_bytes in serve_config.yaml.", "invalid_request_error", None,

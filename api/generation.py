@@ -20,7 +20,7 @@ from mlx_lm.tool_parsers import json_tools
 from engine.types import MAX_STOP_STRINGS, SamplingParams
 
 from api.conversation import Completion, Conversation, OutputEvent, Tool, Usage
-from api.wire import sampling_to_wire
+from api.wire import SALT_KEY, sampling_to_wire
 from api.errors import invalid, server_error
 from api.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
                                   tool_grammar)
@@ -40,6 +40,7 @@ class Host(Protocol):
     def require_ready(self) -> Any: ...
     async def on_tok(self, fn: Callable[[], Any]) -> Any: ...
     def check_model(self, name: str) -> None: ...
+    def salt(self, request: Any, own: str) -> str: ...
     async def first(self, stream: AsyncIterator[Any]) -> list[Any]: ...
 
 
@@ -107,8 +108,10 @@ class Pipeline:
             self._syntax = (tokenizer, syntax_for(tokenizer, self.host.settings.tool_parser))
         return self._syntax[1]
 
-    async def render(self, conv: Conversation) -> tuple[str, list[int], ToolSyntax]:
-        """The prompt text and its tokens; a template that refuses the messages is the client's 400."""
+    async def render(self, conv: Conversation, salt: str | None = None) -> tuple[str, list[int], ToolSyntax]:
+        """The prompt text and its tokens; a template that refuses the messages is the client's 400.
+        With the caller's `salt`, the tokens of an earlier prompt of that salt that this one extends
+        are reused (api/prompt_tokens.py); None: encoded whole, nothing remembered."""
         ready = self.host.require_ready()
         tok = ready.tokenizer
         if not getattr(tok, "chat_template", None):
@@ -119,7 +122,9 @@ class Pipeline:
 
         def work() -> tuple[str, list[int]]:
             text = render_prompt(tok, conv.messages, conv.tools, syntax, dict(conv.chat_template_kwargs))
-            return text, encoder.encode(text, getattr(conv, "cache_salt", ""))
+            if salt is None:
+                return text, list(tok.encode(text, add_special_tokens=False))
+            return text, encoder.encode(text, salt)
         try:
             text, tokens = await self.host.on_tok(work)
         except TemplateError as exc:
@@ -145,10 +150,12 @@ class Pipeline:
                                     allow_text=False, start_token=start, end_token=end), conv.tools_param
         return answer_grammar(conv.output_format), conv.format_param
 
-    async def prepare(self, conv: Conversation) -> Prepared:
+    async def prepare(self, conv: Conversation, salt: str = "") -> Prepared:
+        """`salt`: the request's prefix-cache partition (the caller's tenant and the request's own
+        `cache_salt`, api/auth.py `cache_salt`); it travels beside the sampling settings."""
         self.host.check_model(conv.model)
         ready = self.host.require_ready()
-        text, tokens, syntax = await self.render(conv)
+        text, tokens, syntax = await self.render(conv, salt)
         if conv.sampling.logit_bias and max(t for t, _ in conv.sampling.logit_bias) >= ready.vocab_size:
             raise invalid(f"'logit_bias' token ids must be below the vocabulary size {ready.vocab_size}.",
                           param="logit_bias")
@@ -164,7 +171,7 @@ class Pipeline:
         sampling = dataclasses.replace(conv.sampling, max_tokens=self._max_tokens(conv, len(tokens), ready),
                                        grammar=grammar)
         sampling, added = _end_at_first_call(conv, sampling, syntax, ready.tokenizer)
-        return Prepared(conv, tuple(tokens), sampling_to_wire(sampling), syntax,
+        return Prepared(conv, tuple(tokens), {**sampling_to_wire(sampling), SALT_KEY: salt}, syntax,
                         _opens_reasoning(ready.tokenizer, text), added)
 
     def _max_tokens(self, conv: Conversation, n_prompt: int, ready: Any) -> int:

@@ -21,9 +21,12 @@ The strings returned go into `SamplingParams.grammar`; the engine compiles them 
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from llguidance import LLMatcher
 
@@ -34,6 +37,58 @@ MAX_INTEGER = 10**15 - 1
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _UNBOUNDED_IF_ABSENT = ("maxLength", "enum", "const", "pattern", "format")
 _NOT_SCHEMAS = ("enum", "const", "default", "examples")  # keys whose values are data, not schemas
+
+
+# Bytes of schema text plus grammar text each cache below may hold. A schema may be as large as a
+# request body (4 MiB by default): a bound by count let 512 of them hold gigabytes of the ingress.
+SCHEMA_CACHE_BYTES = 32 * 2**20
+TOOL_CACHE_BYTES = 32 * 2**20
+
+
+class BytesLRU:
+    """A least-recently-used cache of strings bounded by the characters of its keys and values.
+
+    A value larger than the whole budget is returned but not kept. Errors are not cached (as with
+    `functools.lru_cache`): a bad schema is refused each time. Thread-safe."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._entries: OrderedDict[tuple[Any, ...], tuple[str, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[Any, ...], make: Callable[[], str]) -> str:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[0]
+        value = make()  # outside the lock: compiling a grammar may take a while
+        weight = len(value) + sum(len(k) for k in key if isinstance(k, str))
+        if weight > self.max_bytes:
+            return value
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = (value, weight)
+                self.size += weight
+            while self.size > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.size -= dropped
+        return value
+
+
+def bytes_cached(cache: BytesLRU) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Memoise a function of hashable arguments in `cache` (positional arguments only)."""
+    def wrap(fn: Callable[..., str]) -> Callable[..., str]:
+        @functools.wraps(fn)
+        def cached(*args: Any) -> str:
+            return cache.get(args, lambda: fn(*args))
+        cached.cache = cache  # type: ignore[attr-defined]  # for tests and inspection
+        return cached
+    return wrap
 
 
 class GrammarError(ValueError):
@@ -88,7 +143,7 @@ def _schema_text(schema: Any) -> str:
         raise GrammarError(f"the schema is not JSON: {exc}") from None
 
 
-@lru_cache(maxsize=512)
+@bytes_cached(BytesLRU(SCHEMA_CACHE_BYTES))
 def _schema_grammar(schema_json: str, max_string: int | None) -> str:
     schema = json.loads(schema_json)
     if not isinstance(schema, dict):
@@ -144,7 +199,7 @@ def _marker(text: str, token: int | None) -> str:
     return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
-@lru_cache(maxsize=256)
+@bytes_cached(BytesLRU(TOOL_CACHE_BYTES))
 def _tool_lark(body_json: str, mode: str, parallel: bool, start: str, end: str, allow_text: bool,
                start_token: int | None, end_token: int | None) -> str:
     head, tail = _marker(start, start_token), _marker(end, end_token)

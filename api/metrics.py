@@ -28,6 +28,38 @@ disable_created_metrics()
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_KINDS = ("prompt", "completion", "cached")
+# Every route label `pomona_requests_total` may carry: the app's routes (parametrised ones by their
+# template) and "other". A raw path as a label would let any client, even an unauthenticated one,
+# add series to /metrics and memory to the ingress without bound. tests/test_metrics_names.py checks
+# that every route of the app is listed here.
+ROUTE_LABELS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
+    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}",
+    "/v1/responses/{response_id}/input_items", "/admin/requests", "/admin/cache", "/admin/cache/clear",
+    "/admin/cache/flush", "/admin/reset", "/admin/models",
+})
+OTHER = "other"
+_TEMPLATES = tuple((re.compile("^" + re.sub(r"\\{[a-z_]+\\}", "[^/]+", re.escape(t)) + "$"), t)
+                   for t in sorted(ROUTE_LABELS) if "{" in t)
+
+
+def route_label(path: str) -> str:
+    """The metrics label of a path inside the app (its route_prefix stripped): a known route, its
+    template for a parametrised one (`/v1/responses/{response_id}`), else "other"."""
+    if path in ROUTE_LABELS and "{" not in path:
+        return path
+    for pattern, template in _TEMPLATES:
+        if pattern.match(path):
+            return template
+    return OTHER
+
+
+def request_label(scope: Any) -> str:
+    """`route_label` of an ASGI scope (a Starlette request's `.scope`): root_path stripped."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return route_label(path)
 
 
 class IngressMetrics:
@@ -65,7 +97,9 @@ class IngressMetrics:
 
     # -- what the request paths report -----------------------------------------------------------
     def count(self, route: str, status: int) -> None:
-        self._requests.labels(route=route, status=str(status)).inc()
+        """`route` is a label from ROUTE_LABELS; anything else is counted as "other" (never a raw path)."""
+        label = route if route in ROUTE_LABELS else OTHER
+        self._requests.labels(route=label, status=str(status)).inc()
 
     def failover(self) -> None:
         self._failovers.inc()

@@ -62,12 +62,13 @@ class ModelFront:
         await self.apps[index](scope, _replay(body, more, receive), send)
 
     async def _guarded(self, route: Any, scope: Scope, receive: Receive, send: Send, open_: bool) -> None:
-        keys = self.servers[0].api_keys
-        if open_ or not keys:
+        first = self.servers[0]
+        if open_ or not first.keys.configured:
             return await route(scope, receive, send)
         from api.auth import ApiKeyMiddleware
 
-        await ApiKeyMiddleware(route, keys=keys, metrics=self.servers[0].metrics)(scope, receive, send)
+        await ApiKeyMiddleware(route, keys=first.keys, metrics=first.metrics,
+                               metrics_open=first.settings.metrics_open)(scope, receive, send)
 
     async def _models(self, request: Request) -> JSONResponse:
         data = [m for s in self.servers for m in oa.models_list(s.model_name, s.created)["data"]]

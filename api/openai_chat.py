@@ -52,7 +52,7 @@ def parse_chat(body: Mapping[str, Any], limits: oa.Limits, engine_max_tokens: in
         output_format=parse_response_format(body.get("response_format")),
         reasoning_inline=not oa.read_field(body, "separate_reasoning", bool, True),
         chat_template_kwargs=tuple(sorted(kwargs.items())), stream=common["stream"], n=n,
-        include_usage=common["include_usage"], logprobs=want)
+        include_usage=common["include_usage"], logprobs=want, cache_salt=common["cache_salt"])
 
 
 def parse_tools(value: Any, where: str = "tools") -> tuple[Tool, ...]:

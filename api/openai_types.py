@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from engine.types import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from engine.types import MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams
 
 from api.errors import ApiError, invalid
 
@@ -32,6 +32,13 @@ CHAT_ONLY = {
     "tool_choice": "tool calling needs a chat template: use /v1/chat/completions",
 }
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own bound
+MAX_CACHE_SALT = 256  # characters of a request's own `cache_salt` (vLLM's field)
+# Stop strings: every token, the engine's text check walks each stop string once (engine/text.py),
+# so a stop's length is work on the MLX thread for every request in the batch; 256 covers any
+# sentinel or end marker a client sends. The configurable bound is capped at the engine's own.
+DEFAULT_MAX_STOP_CHARS = 256
+# Responses `metadata`: OpenAI's own bounds (16 pairs, keys up to 64 characters, values up to 512).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,11 @@ class Limits:
     max_prompt_tokens: int | None = None  # None: the model's context length
     max_tokens: int | None = None  # None: the engine's max_tokens_limit
     max_stop: int = 8
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS  # characters per stop string
     max_messages: int = 1024
+    # Requests waiting for the one tokenizer / chat-template thread (count_tokens included); past
+    # it 429 + Retry-After, so a burst of huge bodies cannot delay everyone's first token without bound.
+    max_tokenizer_queue: int = 64
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -55,6 +66,10 @@ class Limits:
                 raise ValueError(f"limits.{name} must be >= 1 or null")
         if self.max_messages < 1:
             raise ValueError("limits.max_messages must be >= 1")
+        if not 1 <= self.max_stop_chars <= MAX_STOP_LENGTH:
+            raise ValueError(f"limits.max_stop_chars must be in [1, {MAX_STOP_LENGTH}]")
+        if self.max_tokenizer_queue < 1:
+            raise ValueError("limits.max_tokenizer_queue must be >= 1")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "Limits":
@@ -89,6 +104,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: bool = False
     user: str | None = None
+    cache_salt: str = ""  # the request's own prefix-cache partition (vLLM's `cache_salt`); "" none
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -202,7 +218,24 @@ def stop_strings(body: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
         raise invalid("'stop' strings must not be empty.", param="stop")
     if len(items) > limits.max_stop:
         raise invalid(f"'stop' may hold at most {limits.max_stop} strings, got {len(items)}.", param="stop")
+    check_stop_lengths(items, limits, "stop")
     return tuple(dict.fromkeys(items))
+
+
+def check_stop_lengths(items: Sequence[str], limits: Limits, param: str) -> None:
+    longest = max((len(s) for s in items), default=0)
+    if longest > limits.max_stop_chars:
+        raise invalid(f"'{param}' strings may be at most {limits.max_stop_chars} characters long, got one of "
+                      f"{longest}; send a shorter stop string.", param=param)
+
+
+def read_cache_salt(body: Mapping[str, Any]) -> str:
+    """The request's own `cache_salt` (vLLM's name): requests share cached prefixes only with
+    requests of the same salt (and, where keys are set, the same tenant). "" or absent: none."""
+    salt = read_field(body, "cache_salt", str, "")
+    if len(salt) > MAX_CACHE_SALT:
+        raise invalid(f"'cache_salt' may be at most {MAX_CACHE_SALT} characters long.", param="cache_salt")
+    return salt
 
 
 def _max_tokens(body: Mapping[str, Any], limit: int) -> int | None:
@@ -273,7 +306,8 @@ def common_fields(body: Mapping[str, Any], limits: Limits, engine_max_tokens: in
     include_usage = read_field(options or {}, "include_usage", bool, False)
     limit = min(limits.max_tokens or engine_max_tokens, engine_max_tokens)
     return dict(model=model, stream=stream, include_usage=include_usage,
-                max_tokens=_max_tokens(body, limit), user=read_field(body, "user", str))
+                max_tokens=_max_tokens(body, limit), user=read_field(body, "user", str),
+                cache_salt=read_cache_salt(body))
 
 
 def text_content(value: Any, where: str) -> str:

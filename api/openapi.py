@@ -17,7 +17,8 @@ from starlette.routing import Route
 from engine.types import MAX_LOGPROBS
 
 from api.openai_chat import ROLES
-from api.openai_types import MAX_COMPLETION_LOGPROBS, MAX_SEED, Limits
+from api.openai_types import (MAX_CACHE_SALT, MAX_COMPLETION_LOGPROBS, MAX_METADATA_KEY, MAX_METADATA_PAIRS,
+                              MAX_METADATA_VALUE, MAX_SEED, Limits)
 
 JSON = "application/json"
 
@@ -29,7 +30,7 @@ def _number(lo: float, hi: float) -> dict[str, Any]:
 def sampling_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
     """Fields chat and completions share."""
     limit = min(limits.max_tokens or max_tokens, max_tokens)
-    stop_item = {"type": "string", "minLength": 1, "maxLength": 64}
+    stop_item = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     return {
         "model": {"type": "string", "minLength": 1},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": limit},
@@ -42,9 +43,15 @@ def sampling_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
         "stream": {"type": "boolean"},
         "user": {"type": "string", "maxLength": 256},
         "ignore_eos": {"type": "boolean", "description": "vLLM-style extension: generate past end-of-sequence"},
+        "cache_salt": CACHE_SALT,
     }
 
 
+CACHE_SALT = {"type": "string", "maxLength": MAX_CACHE_SALT,
+              "description": "vLLM's extension: only requests with the same salt (and tenant) share cached prefixes"}
+METADATA = {"type": "object", "maxProperties": MAX_METADATA_PAIRS,
+            "propertyNames": {"maxLength": MAX_METADATA_KEY},
+            "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE}}
 TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"enum": ["function"]},
     "function": {"type": "object", "required": ["name"], "properties": {
@@ -127,8 +134,10 @@ def messages_schema(limits: Limits, max_tokens: int, counting: bool = False) -> 
         "system": {"anyOf": [_text(), {"type": "array", "items": TEXT_BLOCK, "maxItems": 4}]},
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages},
         "tools": {"type": "array", "items": tool, "maxItems": 128}, "tool_choice": choice,
-        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64},
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1,
+                                                      "maxLength": limits.max_stop_chars},
                            "maxItems": limits.max_stop},
+        "cache_salt": CACHE_SALT,
         "temperature": _number(0, 1), "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 0, "maximum": 1000},
         "metadata": {"type": "object", "properties": {"user_id": {"type": "string", "maxLength": 256}}},
@@ -179,7 +188,9 @@ def responses_schema(limits: Limits, max_tokens: int) -> dict[str, Any]:
             "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}}},
         "stream": {"type": "boolean"}, "store": {"type": "boolean"},
         "previous_response_id": {"type": "string", "minLength": 1},
-        "metadata": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}},
+        "metadata": METADATA, "cache_salt": CACHE_SALT,
+        "stop": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars},
+                 "maxItems": limits.max_stop},
         "user": {"type": "string", "maxLength": 256}, "truncation": {"enum": ["auto", "disabled"]},
     }
     return {"type": "object", "required": ["model", "input"], "properties": props}

@@ -16,6 +16,10 @@ Settings (serve_config.yaml, `args: responses:`):
 - `enabled` (default true): false stores nothing (responses say `"store": false`) and refuses
   `previous_response_id` with a 400 that says so.
 
+Ownership: each entry records the tenant that stored it (api/auth.py; "" where no keys are set), and
+`get` / `delete` answer only that tenant: to any other, a response is as absent as an unknown id
+(the route's 404), so ids (which /admin/requests lists to admins) reveal nothing across tenants.
+
 Who reads and writes: only the ingress replicas (the LLM server never sees the store). Several
 ingress replicas on one host share the directory (diskcache is safe across processes); ingress
 replicas on different hosts each have their own directory, so a follow-up routed to another host
@@ -84,6 +88,7 @@ class StoredResponse:
     response: dict[str, Any]
     messages: tuple[Message, ...]
     input_items: tuple[dict[str, Any], ...] = ()  # rows stored before input_items was kept: none
+    tenant: str = ""  # who stored it; rows stored before tenants existed belong to "" (no keys)
 
 
 def message_json(m: Message) -> dict[str, Any]:
@@ -100,7 +105,7 @@ def message_from_json(d: Mapping[str, Any]) -> Message:
 
 def encode(stored: StoredResponse) -> bytes:
     body = {"format": FORMAT, "response": stored.response, "messages": [message_json(m) for m in stored.messages],
-            "input_items": list(stored.input_items)}
+            "input_items": list(stored.input_items), "tenant": stored.tenant}
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -111,7 +116,11 @@ def decode(raw: bytes) -> StoredResponse:
     items = body.get("input_items", [])
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ValueError("stored input_items is not a list of objects")
-    return StoredResponse(body["response"], tuple(message_from_json(m) for m in body["messages"]), tuple(items))
+    tenant = body.get("tenant", "")
+    if not isinstance(tenant, str):
+        raise ValueError("stored tenant is not a string")
+    return StoredResponse(body["response"], tuple(message_from_json(m) for m in body["messages"]), tuple(items),
+                          tenant)
 
 
 class ResponseStore:
@@ -135,20 +144,24 @@ class ResponseStore:
     def put(self, rid: str, stored: StoredResponse) -> None:
         self._open().set(rid, encode(stored), expire=self.settings.max_age_s, retry=True)
 
-    def get(self, rid: str) -> StoredResponse | None:
-        """The stored response, or None when unknown, expired or unreadable."""
+    def get(self, rid: str, tenant: str = "") -> StoredResponse | None:
+        """The stored response of `tenant`, or None when unknown, another tenant's, expired or unreadable."""
         if not RESPONSE_ID.match(rid):
             return None
         cache = self._open()
         try:
             raw = cache.get(rid, default=None, retry=True)  # RawBytesDisk: a pickled row raises, never loads
-            return None if raw is None else decode(raw)
+            stored = None if raw is None else decode(raw)
         except (ValueError, KeyError, TypeError) as exc:  # an older format, a damaged or foreign row
             log.warning("stored response %s is unreadable (%s); treating it as missing", rid, exc)
             return None
+        return stored if stored is not None and stored.tenant == tenant else None
 
-    def delete(self, rid: str) -> bool:
-        return bool(RESPONSE_ID.match(rid)) and bool(self._open().delete(rid, retry=True))
+    def delete(self, rid: str, tenant: str = "") -> bool:
+        """Delete `tenant`'s response; False when there is none of theirs under `rid`."""
+        if self.get(rid, tenant) is None:
+            return False
+        return bool(self._open().delete(rid, retry=True))
 
     def volume(self) -> int:
         return self._open().volume()

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.conversation import Completion, Conversation, Message
+from api.auth import tenant_of
 from api.dialect import Context, respond
 from api.errors import ApiError, invalid, not_found, server_error
 from api.generation import Run, merged
@@ -72,8 +73,8 @@ class Responses:
 
     id_prefix = "resp_"
 
-    def __init__(self, server: Any, store: "Store", previous: StoredResponse | None) -> None:
-        self.server, self.store = server, store
+    def __init__(self, server: Any, store: "Store", previous: StoredResponse | None, tenant: str = "") -> None:
+        self.server, self.store, self.tenant = server, store, tenant
         self.history = previous.messages if previous is not None else ()
         # The predecessor's context as items: its own input items, then what it answered.
         self.history_items = (list(previous.input_items) + list(previous.response.get("output") or [])
@@ -130,7 +131,7 @@ class Responses:
         assert self.parsed is not None
         messages = self.parsed.history + self.parsed.turn + (answer_message(c),)
         items = tuple(self.history_items + input_items(self.parsed.turn))
-        return await self.store.put(obj["id"], StoredResponse({**obj, "store": True}, messages, items))
+        return await self.store.put(obj["id"], StoredResponse({**obj, "store": True}, messages, items, self.tenant))
 
 
 class Store:
@@ -142,11 +143,11 @@ class Store:
         self.backend = ResponseStore(settings.responses,
                                      settings.responses.resolved_directory(settings.engine.cache.ssd_dir))
 
-    async def get(self, rid: str) -> StoredResponse | None:
+    async def get(self, rid: str, tenant: str) -> StoredResponse | None:
         if not self.enabled:
             return None
         try:
-            return await asyncio.to_thread(self.backend.get, rid)
+            return await asyncio.to_thread(self.backend.get, rid, tenant)
         except Exception as exc:
             log.exception("the response store at %s failed on a read", self.backend.directory)
             raise server_error("The response store cannot be read; check the server log and the "
@@ -160,8 +161,8 @@ class Store:
             log.exception("the response store at %s failed on a write; %s is not stored", self.backend.directory, rid)
             return False
 
-    async def delete(self, rid: str) -> bool:
-        return self.enabled and await asyncio.to_thread(self.backend.delete, rid)
+    async def delete(self, rid: str, tenant: str) -> bool:
+        return self.enabled and await asyncio.to_thread(self.backend.delete, rid, tenant)
 
 
 def _not_stored(rid: str, param: str | None, code: str) -> ApiError:
@@ -173,26 +174,26 @@ class ResponseRoutes:
     def __init__(self, server: Any) -> None:
         self.server, self.store = server, Store(server)
 
-    async def _history(self, previous: str) -> StoredResponse:
+    async def _history(self, previous: str, tenant: str) -> StoredResponse:
         if not self.store.enabled:
             raise invalid("This server does not store responses (responses.enabled is false), so "
                           "'previous_response_id' cannot be used; send the whole conversation as 'input'.",
                           param="previous_response_id")
-        stored = await self.store.get(previous)
+        stored = await self.store.get(previous, tenant)
         if stored is None:
             raise _not_stored(previous, "previous_response_id", "previous_response_not_found")
         return stored
 
     async def create(self, request: Request) -> Response:
-        server = self.server
+        server, tenant = self.server, tenant_of(request)
         try:
             body = await server.read_json(request)
             _, previous = store_fields(body)
-            history = await self._history(previous) if previous is not None else None
+            history = await self._history(previous, tenant) if previous is not None else None
         except ApiError as err:
             server.metrics.count(ROUTE, err.status)
             return error_response(err)
-        dialect = Responses(server, self.store, history)
+        dialect = Responses(server, self.store, history, tenant)
 
         async def given(_: Request) -> dict[str, Any]:
             return body
@@ -210,7 +211,7 @@ class ResponseRoutes:
                           param="stream")
         else:
             try:
-                stored = await self.store.get(rid)
+                stored = await self.store.get(rid, tenant_of(request))
                 if stored is not None:
                     self.server.metrics.count(ITEM_ROUTE, 200)
                     return JSONResponse(stored.response)
@@ -226,7 +227,7 @@ class ResponseRoutes:
         rid, query = request.path_params["response_id"], request.query_params
         try:
             limit, order, after = _page_query(query.get("limit", "20"), query.get("order", "desc"), query.get("after"))
-            stored = await self.store.get(rid)
+            stored = await self.store.get(rid, tenant_of(request))
             if stored is None:
                 raise _not_stored(rid, "response_id", "response_not_found")
             page = item_page(list(stored.input_items), limit, order, after)
@@ -242,7 +243,7 @@ class ResponseRoutes:
     async def delete(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
         try:
-            deleted = await self.store.delete(rid)
+            deleted = await self.store.delete(rid, tenant_of(request))
         except Exception:
             log.exception("the response store at %s failed on a delete", self.store.backend.directory)
             deleted, err = False, server_error("The response store failed; check the server log.")

@@ -39,7 +39,8 @@ ACCEPTED_TYPES = {"metadata": dict, "user": str, "safety_identifier": str, "prom
 FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "text", "stream", "reasoning", "top_logprobs"})
 EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                        "stop", "ignore_eos", "logit_bias", "chat_template_kwargs"})  # as on /v1/chat/completions
+                        "stop", "ignore_eos", "logit_bias", "chat_template_kwargs",
+                        "cache_salt"})  # as on /v1/chat/completions
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 
 
@@ -90,7 +91,8 @@ def parse_responses(body: Mapping[str, Any], limits: oa.Limits, engine_max_token
         model=model, messages=system + history + turn, sampling=sampling, max_tokens=max_tokens, tools=tools,
         tool_choice=choice, parallel_tool_calls=oa.read_field(body, "parallel_tool_calls", bool, True),
         output_format=fmt, chat_template_kwargs=tuple(sorted(kwargs.items())),
-        stream=oa.read_field(body, "stream", bool, False), format_param="text.format", tools_param="tools")
+        stream=oa.read_field(body, "stream", bool, False), format_param="text.format", tools_param="tools",
+        cache_salt=oa.read_cache_salt(body))
     metadata = body.get("metadata") or {}
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "parallel_tool_calls": conv.parallel_tool_calls, "temperature": sampling.temperature,
@@ -114,9 +116,23 @@ def _check_fields(body: Mapping[str, Any]) -> None:
         raise invalid("'include' must be an array of strings.", param="include")
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise invalid("'truncation' must be \"auto\" or \"disabled\".", param="truncation")
-    metadata = body.get("metadata") or {}
-    if not all(isinstance(v, str) for v in metadata.values()):
-        raise invalid("'metadata' values must be strings.", param="metadata")
+    check_metadata(body.get("metadata") or {})
+
+
+def check_metadata(metadata: Mapping[str, Any]) -> None:
+    """OpenAI's bounds on `metadata` (it is stored with the response, so it must not grow without
+    bound): at most 16 pairs, string keys of up to 64 characters, string values of up to 512."""
+    if len(metadata) > oa.MAX_METADATA_PAIRS:
+        raise invalid(f"'metadata' may hold at most {oa.MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}.",
+                      param="metadata")
+    for key, value in metadata.items():
+        if len(key) > oa.MAX_METADATA_KEY:
+            raise invalid(f"'metadata' keys may be at most {oa.MAX_METADATA_KEY} characters long.", param="metadata")
+        if not isinstance(value, str):
+            raise invalid("'metadata' values must be strings.", param="metadata")
+        if len(value) > oa.MAX_METADATA_VALUE:
+            raise invalid(f"'metadata' values may be at most {oa.MAX_METADATA_VALUE} characters long.",
+                          param="metadata")
 
 
 def _max_output_tokens(body: Mapping[str, Any], limit: int) -> int | None:

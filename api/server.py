@@ -8,7 +8,6 @@ HTTP status; after it, a final SSE error event.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -25,17 +24,18 @@ from starlette.routing import Route
 
 from api import anthropic_api, model_status, openai_types as oa, responses_api
 from api.admin import AdminRoutes
-from api.auth import ApiKeyMiddleware, error_response
+from api.auth import ApiKeyMiddleware, KeyRing, cache_salt, error_response, tenant_of
 from api.dialect import respond
-from api.wire import sampling_to_wire
+from api.wire import SALT_KEY, sampling_to_wire
 from api.errors import (ApiError, body_for, internal_fault, invalid, not_found, overloaded, server_error,
                                  too_large, unavailable, with_request_id)
 from api.generation import Pipeline
-from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, IngressMetrics
+from api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, IngressMetrics, request_label
 from api.openai_chat import OpenAIChat
 from api.openapi import openapi_route
 from api.settings import AppSettings
 from api.streaming import SSEResponse, Tracker, collect, sse_events
+from api.tokenizer_pool import TokenizerPool
 
 log = logging.getLogger("pomona.ingress")
 
@@ -85,9 +85,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 class OpenAIServer:
     def __init__(self, settings: AppSettings, backend: Backend, load_tokenizer: Callable[[], Any],
-                 api_keys: tuple[str, ...] = ()) -> None:
+                 api_keys: tuple[str, ...] = (), keys: KeyRing | None = None) -> None:
+        """`keys`: every key with its tenant and scopes (AppSettings.key_ring); `api_keys` alone are
+        inference keys, each its own tenant."""
         self.settings, self.backend, self._load_tokenizer = settings, backend, load_tokenizer
-        self.api_keys = api_keys
+        self.keys = keys if keys is not None else KeyRing.of(api_keys)
+        self.share_cache = settings.share_cache_across_tenants(self.keys)
         self.metrics = IngressMetrics()
         self.model_name = settings.served_name()
         self.created = int(time.time())
@@ -95,9 +98,7 @@ class OpenAIServer:
         self._tokenizer: Any = None
         self._vocab_size = 0
         self._load_lock = asyncio.Lock()
-        # One thread for all tokenizer work: HF fast tokenizers may refuse concurrent use
-        # ("Already borrowed"), and tokenizing a long prompt must not stall other streams.
-        self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
+        self._tok_pool = TokenizerPool(settings.limits.max_tokenizer_queue)  # api/tokenizer_pool.py
         self._poller: asyncio.Task | None = None
         self._misses = 0  # polls timed out in a row while ready
         self.pipeline = Pipeline(self)
@@ -109,10 +110,10 @@ class OpenAIServer:
             info = await asyncio.wait_for(self.backend.info(), POLL_TIMEOUT_S)
             async with self._load_lock:  # a poll and a request's refresh may overlap
                 if self._tokenizer is None:
-                    tokenizer = await self.on_tok(self._load_tokenizer)
+                    tokenizer = await self._tok_pool.run(self._load_tokenizer, bounded=False)
                     # Once per load: `get_vocab()` builds a dict of the whole vocabulary (~65 ms for
                     # 49K tokens), and this poll runs every few seconds beside the forward pass.
-                    self._vocab_size = len(await self.on_tok(tokenizer.get_vocab))
+                    self._vocab_size = len(await self._tok_pool.run(tokenizer.get_vocab, bounded=False))
                     self._tokenizer = tokenizer
             self.ready = Ready(info=info, tokenizer=self._tokenizer, vocab_size=self._vocab_size)
             self._misses = 0
@@ -138,7 +139,12 @@ class OpenAIServer:
             await asyncio.sleep(POLL_S if self.ready is None else POLL_READY_S)
 
     async def on_tok(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn)
+        """A request's tokenizer / template work, on the one tokenizer thread; 429 when its queue is full."""
+        return await self._tok_pool.run(fn)
+
+    def salt(self, request: Request, own: str) -> str:
+        """The engine's cache salt for a request of this caller (api/auth.py `cache_salt`)."""
+        return cache_salt(tenant_of(request), own, self.share_cache)
 
     def require_ready(self) -> Ready:
         if self.ready is None:
@@ -158,7 +164,8 @@ class OpenAIServer:
         routes += AdminRoutes(self.backend, self.settings.llm_server.num_replicas, self.metrics).routes()  # type: ignore[arg-type]
         app = Starlette(routes=routes, lifespan=self._lifespan,
                         exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, metrics=self.metrics)
+        app.add_middleware(ApiKeyMiddleware, keys=self.keys, metrics=self.metrics,
+                           metrics_open=self.settings.metrics_open)
         return app
 
     @contextlib.asynccontextmanager
@@ -168,7 +175,7 @@ class OpenAIServer:
             yield
         finally:
             self._poller.cancel()
-            self._tok_pool.shutdown(wait=False)
+            self._tok_pool.shutdown()
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 404:
@@ -178,7 +185,7 @@ class OpenAIServer:
             err = ApiError(405, f"{request.method} is not allowed on {request.url.path}.", code="method_not_allowed")
         else:
             err = ApiError(exc.status_code, str(exc.detail))
-        self.metrics.count(request.url.path if exc.status_code != 404 else "other", err.status)
+        self.metrics.count(request_label(request.scope), err.status)
         return error_response(err, request.url.path)
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
@@ -187,7 +194,7 @@ class OpenAIServer:
         rid = f"req_{uuid.uuid4().hex}"
         log.error("internal error on %s %s, request id %s: %s: %s", request.method, request.url.path, rid,
                   type(exc).__name__, exc, exc_info=exc)
-        self.metrics.count(request.url.path, 500)
+        self.metrics.count(request_label(request.scope), 500)
         return error_response(internal_fault(rid), request.url.path)
 
     async def health(self, request: Request) -> Response:
@@ -263,14 +270,14 @@ class OpenAIServer:
         return sampling_to_wire(dataclasses.replace(parsed.sampling, max_tokens=max_tokens))
 
     async def _generate(self, request: Request) -> Response:
-        route, started = request.url.path, time.monotonic()
+        route, started = request_label(request.scope), time.monotonic()
         stream: AsyncIterator[Any] | None = None
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             parsed = self._parse(await read_body(request, self.settings.limits.max_body_bytes))
             ready = self.require_ready()
             tokens = await self._tokens(parsed, ready)
-            params = self._params(parsed, len(tokens), ready)
+            params = {**self._params(parsed, len(tokens), ready), SALT_KEY: self.salt(request, parsed.cache_salt)}
             stream = self.backend.stream(tokens, params, rid)
             first = await _first(stream)
         except ApiError as err:

@@ -7,7 +7,9 @@ Wire format of `EngineHost.stream()`: first either a rejection `{"rejected": {"k
 "retry_after_s"}}` (nothing was generated; the ingress answers with an HTTP status), or lists of
 events `{"text", "token", "lp", "finish", "usage", "error", "code", "stop_str"}`; the last event of
 the last list has `finish`. Sampling settings travel as `sampling_to_wire`'s dict (`logit_bias` as
-[token, bias] pairs, `grammar` as the llguidance grammar string).
+[token, bias] pairs, `grammar` as the llguidance grammar string), plus the request's prefix-cache
+partition under `SALT_KEY` (`Request.cache_salt`: the caller's tenant and the request's own salt,
+api/auth.py); `request_from_wire` rebuilds the engine's `Request` from them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Mapping
 
-from engine.types import (ContextLengthError, EngineClosedError, FinishReason, OverloadedError, SamplingParams,
-                          TokenEvent, TokenLogprob, Usage)
+from engine.types import (ContextLengthError, EngineClosedError, FinishReason, OverloadedError, Request,
+                          SamplingParams, TokenEvent, TokenLogprob, Usage)
+
+SALT_KEY = "cache_salt"  # beside the sampling settings in a request's wire params
 
 
 def event_to_wire(event: TokenEvent) -> dict[str, Any]:
@@ -59,8 +63,18 @@ def rejection(exc: Exception) -> dict[str, Any]:
     return {"rejected": {"kind": kind, "message": str(exc), "retry_after_s": retry}}
 
 
+def request_from_wire(prompt_tokens: Any, params: Mapping[str, Any], request_id: str, priority: int = 0) -> Request:
+    """The engine's `Request` from the ingress's wire params (sampling settings and the cache salt).
+    Raises ValueError for settings the engine refuses."""
+    salt = params.get(SALT_KEY) or ""
+    if not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
+    return Request(prompt_tokens=tuple(prompt_tokens), params=sampling_from_wire(params), request_id=request_id,
+                   priority=priority, cache_salt=salt)
+
+
 def sampling_from_wire(params: Mapping[str, Any]) -> SamplingParams:
-    values = dict(params)
+    values = {k: v for k, v in params.items() if k != SALT_KEY}
     for name in ("stop", "stop_token_ids"):
         if name in values:
             values[name] = tuple(values[name])

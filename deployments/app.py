@@ -36,6 +36,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     models = plan(args or {})
     every = list(models.models)
     first = every[0]
+    first.check_key_files()  # the ingress reads them for real, on its node
     ing = first.ingress
     ingress_options = dict(num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
                            ray_actor_options=ing.actor_options(dict(first.env)))

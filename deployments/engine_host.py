@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from api.wire import event_to_wire, rejection, sampling_from_wire
+from api.wire import event_to_wire, rejection, request_from_wire
 from engine.config import EngineConfig
-from engine.types import ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError, Request
+from engine.types import ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError
 from modelio.models import openblas_loaded
 
 log = logging.getLogger("pomona.llm_server")
@@ -129,8 +129,7 @@ class EngineHost:
         routes and cancels it as one request.
         """
         try:
-            request = Request(prompt_tokens=tuple(prompt_tokens), params=sampling_from_wire(params),
-                              request_id=request_id)
+            request = request_from_wire(prompt_tokens, params, request_id)
         except ValueError as exc:
             yield rejection(exc)
             return

@@ -6,7 +6,8 @@ so neither side ever runs code the other sent. Token arrays (the prefix store's 
 as raw bytes, not as lists of ints: converting thousands of ids to Python ints would hold the GIL
 the engine's MLX thread needs.
 
-Replica -> engine: ["config", engine settings] once; ["add", request_id, tokens, sampling, priority];
+Replica -> engine: ["config", engine settings] once; ["add", request_id, tokens, sampling, priority,
+cache_salt] (the request's prefix-cache partition, `Request.cache_salt`);
 ["abort", request_id]; ["call", call_id, name, args].
 Engine -> replica: ["ready", info] or ["failed", message] once; ["events", {request_id: [wire events]}]
 (one frame per engine step); ["refused", request_id, kind, message, retry_after_s];

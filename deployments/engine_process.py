@@ -120,7 +120,8 @@ class EngineProcess:
             raise ValueError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        self._send(["add", rid, list(request.prompt_tokens), sampling_to_wire(request.params), request.priority])
+        self._send(["add", rid, list(request.prompt_tokens), sampling_to_wire(request.params), request.priority,
+                    request.cache_salt])
         finished = False
         try:
             while not finished:

@@ -41,6 +41,7 @@ class Worker:
         self.outbox: dict[str, list[dict[str, Any]]] = {}
         self.flush_scheduled = False
         self.tasks: dict[str, asyncio.Task] = {}
+        self.started: set[str] = set()  # requests whose first events came: the engine has them
 
     def send(self, message: list[Any]) -> None:
         self.writer.write(pack(message))
@@ -48,20 +49,34 @@ class Worker:
     def handle(self, message: list[Any]) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, tokens, sampling, priority = message
-            self.tasks[request_id] = asyncio.create_task(self.run(request_id, tokens, sampling, priority))
+            _, request_id, tokens, sampling, priority, salt = message
+            self.tasks[request_id] = asyncio.create_task(self.run(request_id, tokens, sampling, priority, salt))
         elif kind == "abort":
-            self.engine.abort(message[1])
+            self.abort(message[1])
         elif kind == "call":
             asyncio.create_task(self.call(*message[1:]))
         else:
             log.error("unknown frame %r from the replica", kind)
 
-    async def run(self, request_id: str, tokens: list[int], sampling: dict[str, Any], priority: int) -> None:
+    def abort(self, request_id: str) -> None:
+        """An abort at any stage. A request not yet in the engine's queue (its task not started, or
+        its grammar compiling) is cancelled here: the engine would not know its id yet, and the
+        abort would be lost, the request then running to max_tokens with nobody listening. One
+        already queued is aborted by the engine at its next step."""
+        task = self.tasks.get(request_id)
+        if task is not None and request_id not in self.started:
+            task.cancel()
+        self.engine.abort(request_id)
+
+    async def run(self, request_id: str, tokens: list[int], sampling: dict[str, Any], priority: int,
+                  salt: str = "") -> None:
         first = True
         try:
-            request = Request(tuple(tokens), sampling_from_wire(sampling), request_id=request_id, priority=priority)
+            request = Request(tuple(tokens), sampling_from_wire(sampling), request_id=request_id, priority=priority,
+                              cache_salt=salt)
             async for batch in self.engine.stream(request):
+                if first:
+                    self.started.add(request_id)
                 first = False
                 self.outbox.setdefault(request_id, []).extend(event_to_wire(e) for e in batch)
                 if not self.flush_scheduled:
@@ -78,6 +93,7 @@ class Worker:
                 self.flush()
         finally:
             self.tasks.pop(request_id, None)
+            self.started.discard(request_id)
 
     def flush(self) -> None:
         self.flush_scheduled = False

@@ -25,6 +25,17 @@ from api.settings import AppSettings
 log = logging.getLogger("pomona.ingress")
 
 
+def log_keys(served: Any, keys: Any) -> None:
+    """What auth the ingress enforces, once at start (never the keys)."""
+    if not keys.configured:
+        log.warning("ingress for %s: no API key configured: every route is open (keep the server on loopback)",
+                    served)
+        return
+    log.info("ingress for %s: %d inference key(s), %d admin key(s)", served, keys.inference_keys, keys.admin_keys)
+    if not keys.inference_keys:
+        log.warning("only admin keys are configured: the inference routes refuse every request (add api_keys)")
+
+
 def _ray_error(exc: BaseException) -> ApiError:
     if isinstance(exc, BackPressureError):
         return overloaded("Every model server replica is at capacity; retry after a short delay.", 1.0)
@@ -186,12 +197,14 @@ async def _failures_into(responses: Any, inbox: Inbox) -> None:
 @serve.ingress()
 class Ingress:
     def __init__(self, llm: DeploymentHandle, settings: AppSettings) -> None:
-        keys = settings.all_api_keys()  # read here: env and key file of the replica's node
+        # Read here, on the replica's node (its env and key files). A source that yields no key raises:
+        # the replica does not start, and Serve reports the message (no serving without the keys).
+        keys = settings.key_ring()
         backend = HandleBackend(llm, step_channels=settings.step_channel,
                                 pacing=StreamPacing(settings.stream_items_per_s))
-        self._server = OpenAIServer(settings, backend, functools.partial(tokenizer_for, settings.model), api_keys=keys)
+        self._server = OpenAIServer(settings, backend, functools.partial(tokenizer_for, settings.model), keys=keys)
         backend.on_failover = self._server.metrics.failover
-        log.info("ingress for %s: %d API key(s) configured", settings.served_name(), len(keys))
+        log_keys(settings.served_name(), keys)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self._server.app()

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp
 from modelio.models import tokenizer_for
 from api.server import OpenAIServer
 from deployments.engine_host import StreamPacing
-from deployments.ingress import HandleBackend
+from deployments.ingress import HandleBackend, log_keys
 from api.model_front import ModelFront
 from api.settings import AppSettings
 
@@ -24,7 +24,7 @@ log = logging.getLogger("pomona.ingress")
 class MultiIngress:
     def __init__(self, llms: list[DeploymentHandle], settings: list[AppSettings],
                  multiplexed: frozenset[str] = frozenset()) -> None:
-        keys = settings[0].all_api_keys()  # one key set for the endpoint (env and key file of this node)
+        keys = settings[0].key_ring()  # one key set for the endpoint (env and key files of this node)
         # A multiplexed model's requests carry its name: Serve routes them to a replica holding it.
         handles = [h.options(multiplexed_model_id=s.served_name()) if s.served_name() in multiplexed else h
                    for s, h in zip(settings, llms)]
@@ -32,10 +32,10 @@ class MultiIngress:
         # the multiplexed deployment routes by model with Serve's router, which cannot pin them.
         servers = [OpenAIServer(s, HandleBackend(handle, step_channels=s.step_channel and s.served_name() not in multiplexed,
                                                  pacing=StreamPacing(s.stream_items_per_s)),
-                                functools.partial(tokenizer_for, s.model), api_keys=keys)
+                                functools.partial(tokenizer_for, s.model), keys=keys)
                    for s, handle in zip(settings, handles)]
         self._front = ModelFront(servers)
-        log.info("ingress for %s: %d API key(s) configured", [s.served_name() for s in settings], len(keys))
+        log_keys([s.served_name() for s in settings], keys)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return self._front

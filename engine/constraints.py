@@ -28,6 +28,10 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 log = logging.getLogger("pomona.engine")
 
 GRAMMAR_CACHE_SIZE = 256
+# Bytes of grammar text the compiled-matcher cache may hold. A compiled matcher's memory grows with
+# its grammar, and a grammar may be megabytes (a client's schema): a bound by count alone let 256 of
+# them hold gigabytes of the engine's process. A grammar over the whole budget is compiled, not kept.
+GRAMMAR_CACHE_BYTES = 64 * 2**20
 
 
 def llg_tokenizer(tokenizer: Any) -> LLTokenizer:
@@ -143,11 +147,14 @@ class GrammarConstraint:
 class ConstraintFactory:
     """Compiles grammars for one tokenizer; thread-safe, meant to be called off the MLX thread."""
 
-    def __init__(self, tokenizer: Any, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, cache_size: int = GRAMMAR_CACHE_SIZE,
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self._llg: LLTokenizer | None = None
         self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0  # grammar text held by `_pristine`
         self._lock = threading.Lock()
         self.markers = think_markers(tokenizer)
         self._eos = sorted(tokenizer.eos_token_ids)
@@ -170,11 +177,20 @@ class ConstraintFactory:
         pristine = LLMatcher(llg, grammar, log_level=0)  # drops the GIL while it compiles
         if pristine.is_error():
             raise ValueError(f"invalid grammar: {pristine.get_error()}")
-        with self._lock:
-            self._pristine[grammar] = pristine
-            while len(self._pristine) > self._cache_size:
-                self._pristine.popitem(last=False)
+        if len(grammar) <= self._cache_bytes:
+            with self._lock:
+                if grammar not in self._pristine:
+                    self._pristine[grammar] = pristine
+                    self.cached_bytes += len(grammar)
+                while len(self._pristine) > self._cache_size or self.cached_bytes > self._cache_bytes:
+                    dropped, _ = self._pristine.popitem(last=False)
+                    self.cached_bytes -= len(dropped)
         return pristine.deep_copy()
+
+    @property
+    def cached(self) -> int:
+        """Compiled grammars held."""
+        return len(self._pristine)
 
     def build(self, grammar: str, prompt: Sequence[int]) -> GrammarConstraint:
         matcher = self.matcher(grammar)

@@ -80,6 +80,9 @@ class AsyncEngine:
         self._loader, self._store_factory = loader, store_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # Requests whose grammar compiles (not yet queued): id -> aborted meanwhile. The MLX thread
+        # does not know them yet, so an abort is kept here and honoured when the compile ends.
+        self._compiling: dict[str, bool] = {}
         self._lock = threading.Lock()
         self._ready = concurrent.futures.Future()
         self._stats: dict[str, Any] = {"ready": False}
@@ -126,16 +129,32 @@ class AsyncEngine:
         aborts the request in the engine.
         """
         self.check(request)
-        if request.params.grammar is not None and request.constraint is None:
-            request = await self._constrain(request)
+        rid = request.request_id
+        compiling = request.params.grammar is not None and request.constraint is None
+        if compiling:
+            with self._lock:
+                if rid in self._streams or rid in self._compiling:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                self._compiling[rid] = False
+            try:
+                request = await self._constrain(request)
+            except BaseException:  # refused, or the caller left: nothing was queued
+                with self._lock:
+                    self._compiling.pop(rid, None)
+                raise
         stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
-            if self._stopped:  # a grammar compiled while the engine stopped
-                raise EngineClosedError(CLOSED)
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._streams[request.request_id] = stream
-            self._commands.put(("add", request))
+        with self._lock:  # leaving `_compiling` and queueing in one step: no abort falls between
+            aborted = self._compiling.pop(rid, False) if compiling else False
+            if not aborted:
+                if self._stopped:  # a grammar compiled while the engine stopped
+                    raise EngineClosedError(CLOSED)
+                if rid in self._streams:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                self._streams[rid] = stream
+                self._commands.put(("add", request))
+        if aborted:  # aborted while its grammar compiled: it never runs
+            yield [TokenEvent(rid, None, "", finish_reason=FinishReason.ABORT)]
+            return
         # Requests without stop strings are detokenized here, on the caller's thread, not the MLX one.
         text = None if text_in_engine(request.params.stop) else ConsumerText(lambda: self.tokenizer.detokenizer)
         finished = False
@@ -171,7 +190,12 @@ class AsyncEngine:
                 yield event
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe; takes effect at the start of the next step."""
+        """Thread-safe; takes effect at the start of the next step, or, for a request whose grammar
+        is still compiling, when the compile ends (it is then never queued)."""
+        with self._lock:
+            if request_id in self._compiling:
+                self._compiling[request_id] = True
+                return
         self._commands.put(("abort", request_id))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

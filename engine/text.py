@@ -22,15 +22,47 @@ class TextDelta:
     stop: str | None = None  # which one
 
 
-def _held_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+def _prefix_function(s: str) -> list[int]:
+    """Knuth-Morris-Pratt: for each i, the length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class StopMatcher:
+    """One stop string's matcher over text that grows: after each `feed`, `state` is the length of
+    the longest tail of the text that is a prefix of the stop (what must be held back).
+
+    Knuth-Morris-Pratt, so the work is amortised O(1) per new character whatever the stop's length.
+    The check it replaces compared every prefix of every stop against the text's tail on every
+    token: work quadratic in the stop's length, on the MLX thread, for each request of the batch.
+    """
+
+    __slots__ = ("stop", "fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.fail, self.state = stop, _prefix_function(stop), 0
+
+    def feed(self, text: str, start: int) -> int | None:
+        """Advance over text[start:]; the index where the stop first occurs in full, or None."""
+        stop, fail, k, n = self.stop, self.fail, self.state, len(self.stop)
+        for i in range(start, len(text)):
+            c = text[i]
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+                if k == n:
+                    self.state = k
+                    return i - n + 1
+        self.state = k
+        return None
 
 
 def byte_decoder() -> dict[str, int]:
@@ -127,7 +159,10 @@ class TextStream:
         self._detok = fast_detokenizer(detokenizer)
         self._stops = tuple(stops)
         self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._matchers = [StopMatcher(s) for s in self._stops]
         self._sent = 0  # characters of detokenizer text already released
+        self._fed = 0  # characters of detokenizer text the matchers have read
+        self._tail = ""  # the last max_stop - 1 of them: to notice a detokenizer that rewrote them
         self.done = False
 
     def add(self, token: int) -> TextDelta:
@@ -151,16 +186,22 @@ class TextStream:
             delta = text[self._sent:]
             self._sent = len(text)
             return TextDelta(delta, False)
-        # A new match can only start where fresh text could complete it.
-        start = max(0, self._sent - self._max_stop + 1)
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self._stops) if i >= 0]
+        window = self._max_stop - 1
+        if len(text) < self._fed or text[max(0, self._fed - window):self._fed] != self._tail:
+            # The detokenizer rewrote its unreleased tail (mlx-lm's naive one re-decodes the current
+            # line): read again from where a match could still start, as new text.
+            for m in self._matchers:
+                m.state = 0
+            self._fed = max(0, self._sent - self._max_stop + 1)
+        hits = [(i, m.stop) for i, m in ((m.feed(text, self._fed), m) for m in self._matchers) if i is not None]
+        self._fed, self._tail = len(text), text[max(0, len(text) - window):]
         if hits:
             cut, stop = min(hits, key=lambda hit: hit[0])  # the earliest match ends the text
             delta = text[self._sent:cut] if cut > self._sent else ""
             self._sent = max(self._sent, cut)
             self.done = True
             return TextDelta(delta, True, stop)
-        end = len(text) if final else len(text) - _held_suffix(text, self._stops)
+        end = len(text) if final else len(text) - max(m.state for m in self._matchers)
         delta = text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return TextDelta(delta, False)

@@ -86,6 +86,9 @@ _FINISH_STATUS = {
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 16
+# Characters per stop string: the text check does work per token that grows with a stop's length
+# (engine/text.py), so the engine refuses any longer; the HTTP layer's own bound is lower (limits).
+MAX_STOP_LENGTH = 4096
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
@@ -149,6 +152,8 @@ class SamplingParams:
         _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
                "stop must be a tuple of non-empty strings")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        _check(all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+               f"stop strings may be at most {MAX_STOP_LENGTH} characters long")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),

@@ -102,7 +102,7 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None, r
     host = EngineHost(settings.engine, engine_factory=factory)
     await host.start()
     server = OpenAIServer(settings, AsyncReplica(host), lambda: models.tokenizer_for(str(model_dir)),
-                          api_keys=settings.api_keys)
+                          keys=settings.key_ring())
     try:
         await server.refresh()
         assert server.ready is not None, "the in-process engine did not become ready"

@@ -22,7 +22,7 @@ KEY = "sk-admin-test-0123"
 @pytest.fixture(scope="module")
 def base(tiny_model_dir, tmp_path_factory):
     ssd = tmp_path_factory.mktemp("admin-ssd") / "prefix"
-    args = tiny_args(tiny_model_dir, api_keys=[KEY],
+    args = tiny_args(tiny_model_dir, api_keys=[KEY], admin_api_keys=[KEY],  # one key, both scopes
                      engine={"max_running": 1, "prefill_batch": 1, "prefill_chunk": 8, "max_batch_tokens": 8,
                              "cache": {"enabled": True, "ram_bytes": 64 * 2**20, "min_restore_tokens": 16,
                                        "ssd_dir": str(ssd), "block_size": 16}})

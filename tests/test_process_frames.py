@@ -37,7 +37,7 @@ def test_frames_of_one_pass_leave_in_one_write_after_it():
     async def main() -> RecordingWriter:
         writer = RecordingWriter()
         engine = process_with(writer)
-        frames = [["add", f"r{i}", [1, 2, 3], {"max_tokens": 4}, 0] for i in range(5)] + [["abort", "r0"]]
+        frames = [["add", f"r{i}", [1, 2, 3], {"max_tokens": 4}, 0, ""] for i in range(5)] + [["abort", "r0"]]
         for frame in frames:
             engine._send(frame)
         assert writer.writes == []  # nothing leaves during the pass
@@ -99,7 +99,7 @@ def test_the_shutdown_reply_follows_the_last_events(tiny_model_dir):
         await engine.wait_ready()
         writer = RecordingWriter()
         worker = Worker(LateStreams(engine), writer)  # type: ignore[arg-type]
-        worker.handle(["add", "long", list(range(7, 17)), {"max_tokens": 2000, "ignore_eos": True}, 0])
+        worker.handle(["add", "long", list(range(7, 17)), {"max_tokens": 2000, "ignore_eos": True}, 0, ""])
         while not writer.writes:
             await asyncio.sleep(0.01)
         await worker.call(1, "shutdown", [0.0])

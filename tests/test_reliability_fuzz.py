@@ -19,14 +19,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from api.server import ApiKeyMiddleware
+from api.auth import ApiKeyMiddleware, KeyRing
 from api.metrics import IngressMetrics
 from e2e_helpers import tiny_args, wait_healthy
 from reliability_helpers import admin, auth, own_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 KEY = "sk-fuzz-0123"
-LIMITS = {"max_body_bytes": 4096, "max_prompt_tokens": 256, "max_tokens": 16, "max_stop": 2, "max_messages": 4}
+LIMITS = {"max_body_bytes": 4096, "max_prompt_tokens": 256, "max_tokens": 16, "max_stop": 2, "max_messages": 4,
+          "max_stop_chars": 32}
 ROUTES = {"ChatCompletionRequest": "/v1/chat/completions", "CompletionRequest": "/v1/completions",
           "MessagesRequest": "/v1/messages", "CountTokensRequest": "/v1/messages/count_tokens",
           "ResponsesRequest": "/v1/responses"}
@@ -36,7 +37,7 @@ FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=list(Healt
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir, tmp_path_factory):
-    args = tiny_args(tiny_model_dir, api_keys=[KEY], limits=LIMITS,
+    args = tiny_args(tiny_model_dir, api_keys=[KEY], admin_api_keys=[KEY], limits=LIMITS,
                      responses={"directory": str(tmp_path_factory.mktemp("responses"))},
                      engine={"max_running": 4, "prefill_batch": 4, "max_waiting": 64})
     with own_cluster({"/": args}, apple_silicon=1) as url:
@@ -93,12 +94,14 @@ def test_openapi_is_published_behind_the_key_with_the_configured_limits(base, op
     assert chat["max_tokens"]["maximum"] == LIMITS["max_tokens"]
     assert chat["messages"]["maxItems"] == LIMITS["max_messages"]
     assert chat["stop"]["anyOf"][1]["maxItems"] == LIMITS["max_stop"]
+    assert chat["stop"]["anyOf"][0]["maxLength"] == LIMITS["max_stop_chars"]
     messages = schemas["MessagesRequest"]["properties"]
     assert messages["messages"]["maxItems"] == LIMITS["max_messages"]
     assert messages["stop_sequences"]["maxItems"] == LIMITS["max_stop"]
     assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
     responses = schemas["ResponsesRequest"]["properties"]
     assert responses["max_output_tokens"]["maximum"] == LIMITS["max_tokens"]
+    assert responses["metadata"]["maxProperties"] == 16 and responses["cache_salt"]["maxLength"] == 256
     assert responses["input"]["anyOf"][1]["maxItems"] == LIMITS["max_messages"]
 
 
@@ -144,6 +147,12 @@ def from_schema(schema: dict, wild: float = 0.0) -> st.SearchStrategy:
 
 def _object(schema: dict, wild: float) -> st.SearchStrategy:
     props, required = schema.get("properties", {}), set(schema.get("required", ()))
+    extra = schema.get("additionalProperties")
+    if not props and isinstance(extra, dict):  # a map (Responses `metadata`): with `wild`, past its bounds
+        most = schema.get("maxProperties", 4)
+        key_len = schema.get("propertyNames", {}).get("maxLength", 20)
+        keys = st.text(max_size=key_len + 2 if wild else min(key_len, 20))
+        return st.dictionaries(keys, from_schema(extra, wild), max_size=most + 2 if wild else min(most, 8))
 
     def field(name: str) -> st.SearchStrategy:
         valid = from_schema(props[name], wild)
@@ -186,12 +195,46 @@ def test_unstructured_fuzz(http, route, body):
     ({"prompt": "hi", "max_tokens": 17}, 400, "max_tokens"),
     ({"prompt": "hi", "stop": ["a", "b", "c"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}] * 5}, 400, "messages"),
+    ({"prompt": "hi", "stop": ["x" * 33]}, 400, "stop"),
+    ({"prompt": "hi", "stop": "y" * 33}, 400, "stop"),
+    ({"prompt": "hi", "cache_salt": "s" * 257}, 400, "cache_salt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["z" * 33]}, 400, "stop"),
 ])
 def test_configured_limits_are_enforced(http, body, status, param):
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = http.post(route, json={"model": "tiny", **body})
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+RESPONSES = {"input": "hi", "max_output_tokens": 2, "store": False}
+MESSAGES = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("route,over,within,param", [
+    ("/v1/responses", {**RESPONSES, "metadata": {f"k{i}": "v" for i in range(17)}},
+     {**RESPONSES, "metadata": {f"k{i}": "v" for i in range(16)}}, "metadata"),
+    ("/v1/responses", {**RESPONSES, "metadata": {"k" * 65: "v"}}, {**RESPONSES, "metadata": {"k" * 64: "v"}},
+     "metadata"),
+    ("/v1/responses", {**RESPONSES, "metadata": {"k": "v" * 513}}, {**RESPONSES, "metadata": {"k": "v" * 512}},
+     "metadata"),
+    ("/v1/responses", {**RESPONSES, "stop": ["s" * 33]}, {**RESPONSES, "stop": ["s" * 32]}, "stop"),
+    ("/v1/messages", {**MESSAGES, "stop_sequences": ["s" * 33]}, {**MESSAGES, "stop_sequences": ["s" * 32]},
+     "stop_sequences"),
+    ("/v1/messages", {**MESSAGES, "cache_salt": "s" * 257}, {**MESSAGES, "cache_salt": "s" * 256}, "cache_salt"),
+])
+def test_per_request_costs_are_bounded_on_every_dialect(http, route, over, within, param):
+    """Responses `metadata` (OpenAI's own bounds: 16 pairs, keys <= 64, values <= 512 characters: it is
+    stored with the response), stop-string length (work per token on the MLX thread) and the request's
+    own cache_salt: past the bound a 400 naming the field, in the route's dialect; at it, served."""
+    r = http.post(route, json={"model": "tiny", **over})
+    check(r)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error.get("param", param) == param and param in error["message"], error
+    ok = http.post(route, json={"model": "tiny", **within})
+    check(ok)
+    assert ok.status_code == 200, ok.text
 
 
 DEEP = "[" * 1500 + "]" * 1500  # past the JSON parser's own recursion limit (within max_body_bytes)
@@ -236,7 +279,8 @@ def test_api_keys_are_compared_in_constant_time(monkeypatch):
         calls.append((len(a), len(b)))
         return a == b
     monkeypatch.setattr(hmac, "compare_digest", spy)
-    mw = ApiKeyMiddleware(lambda *a: None, keys=("k1", "key-two", "k3"), metrics=IngressMetrics())
+    mw = ApiKeyMiddleware(lambda *a: None, keys=KeyRing({"k1": "t1", "key-two": "t2"}, admin=("k3",)),
+                          metrics=IngressMetrics())
     for token, ok in [("k1", True), ("key-two", True), ("x" * 500, False), ("", False)]:
         calls.clear()
         assert mw.allowed(token) is ok
