@@ -205,11 +205,14 @@ class TieredStore:
         return self.restore(tokens, self.find(tokens, salt), salt)
 
     # -- offers ---------------------------------------------------------------------------------
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "",
+              prompt_len: int | None = None) -> None:
         """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
         offer ends either its tail (RAM) or, on a block boundary, its exact state. `kind` does not
         matter any more: every block is written through once (it costs its own bytes, never a
-        conversation's)."""
+        conversation's). `prompt_len` (a finished request's prompt, for a model without exact
+        layers): RAM also keeps the tail at the prompt's end, since a next turn re-sends the prompt
+        but not always the output token for token (a client renders the answer its own way)."""
         toks = np.asarray(tokens, dtype=np.int64)
         try:
             parts = blk.split(cache, len(toks))
@@ -234,6 +237,9 @@ class TieredStore:
                 self._demote(b, False)
         if k * bs < n:  # the tokens past the last whole block: RAM only
             self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks))
+        if prompt_len is not None and not exact and prompt_len % bs and prompt_len < k * bs:
+            p = prompt_len // bs
+            self.ram.add_tail(blk.cut_tail(parts, p * bs, chain[p - 1] if p else None, toks, prompt_len))
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:

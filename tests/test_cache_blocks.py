@@ -264,3 +264,19 @@ def test_ram_tier_holds_a_block_once_whoever_adds_it():
     assert len(s.ram) == 5 and s.ram.nbytes == before == held_bytes(s.ram)
     s.set_ram_budget(0)  # every block leaves exactly once (a double-counted child would keep its parent)
     assert len(s.ram) == 0 and s.ram.nbytes == 0 and s.stats()["ram"]["evictions"] == 5
+
+
+def test_a_finished_offer_keeps_the_tail_at_its_prompt_end():
+    """A next turn re-sends the prompt but not always the output as generated: the store keeps the
+    tail where the prompt ended, so such a turn is served to the token, not to the last block."""
+    prompt, output = toks(40), toks(30, 9000)
+    follow = prompt + toks(10, 5000)  # the client rendered the answer its own way
+    s, offered = store(), kv_cache(70)
+    s.offer(prompt + output, offered, "finished", prompt_len=40)
+    hit = s.lookup(follow)
+    assert hit.num_tokens == 40
+    assert all(mx.array_equal(h.keys, o.keys[..., :40, :]) and mx.array_equal(h.values, o.values[..., :40, :])
+               for h, o in zip(hit.cache, offered))
+    s = store()
+    s.offer(prompt + output, kv_cache(70), "finished")
+    assert s.lookup(follow).num_tokens == 32  # two whole blocks of 16 only
