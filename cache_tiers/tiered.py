@@ -235,11 +235,11 @@ class TieredStore:
             queued = self.ssd.offer(b) if self.ssd is not None else False
             if not self.ram.add(b, persisted=queued) and self.ssd is not None and not queued:
                 self._demote(b, False)
-        if k * bs < n:  # the tokens past the last whole block: RAM only
-            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks))
         if prompt_len is not None and not exact and prompt_len % bs and prompt_len < k * bs:
             p = prompt_len // bs
             self.ram.add_tail(blk.cut_tail(parts, p * bs, chain[p - 1] if p else None, toks, prompt_len))
+        if k * bs < n:  # the tokens past the last whole block: RAM only
+            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks))
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:
