@@ -28,8 +28,9 @@ from engine.config import EngineConfig
 from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress, Runner, logits_at
 from engine.sampling import Decoding
 from engine.slot_cache import Batch, SlotKV, flat_views, layer_shapes, supports_flat
+from engine.speculative import SpecConfig, accepted, new_state, resolve
 from engine.step_state import Slot, Work, merge
-from engine.step_sampling import first_token, process_logits, sample
+from engine.step_sampling import first_token, process_logits, sample, sample_positions
 from engine.slots import (MIN_PREFILL_TOKENS, POSITION_BLOCK_CPU, POSITION_BLOCK_GPU, SlotTable, StallBudget,
                           plan_prefill, round_up, row_bucket)
 
@@ -78,6 +79,12 @@ class StepRunner:
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
         self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0}
         self._shapes_seen: set[tuple[int, ...]] = set()
+        # Speculation (engine/speculative.py). Not on ring tables (max_kv_size): a rejected
+        # position's write lands in a ring slot that still holds a position the row's later
+        # tokens attend to, and the table keeps no copy to roll back to.
+        self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
+            else resolve(config.speculative, self._on_cpu)
+        self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
         self._new_table()
 
     def _new_table(self) -> None:
@@ -125,7 +132,8 @@ class StepRunner:
             self._table.release(row)
             raise
         self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
-                                        list(tokens), list(cached), len(cached))
+                                        list(tokens), list(cached), len(cached),
+                                        spec=new_state(self.speculative) if self.speculative else None)
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,
@@ -167,6 +175,11 @@ class StepRunner:
     def cache_nbytes(self) -> int:
         return self._kv.nbytes()
 
+    def speculation(self, request_id: str) -> dict[str, int]:
+        """A running request's proposed and accepted tokens ({} when it does not speculate)."""
+        slot = self._slots.get(request_id)
+        return slot.spec.stats() if slot is not None and slot.spec is not None else {}
+
     def counters(self) -> dict[str, Any]:
         decode_s = self._stall.decode_s  # moving average of steps that only decode: the steady decode rate
         return {"kind": "pomona", **self._counts, "shapes": len(self._shapes_seen),
@@ -179,19 +192,59 @@ class StepRunner:
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         """Start this step, then read back the previous one (its tokens were computed meanwhile)."""
         started = time.perf_counter()
-        work = self._start()
-        built = time.perf_counter()
         read = self._inflight
-        generated = self._read(read)
-        ended = time.perf_counter()
-        self._counts["build_s"] += built - started
-        self._counts["wait_s"] += ended - built
+        if self._reads_first():
+            # Proposals follow a row's last token, which the host must know: read back first (the
+            # step no longer overlaps building the next one; on a CPU it never did much).
+            self._inflight = None
+            generated = self._read(read)
+            built = time.perf_counter()
+            work = self._start(speculate=True)
+            ended = time.perf_counter()
+            self._counts["wait_s"] += built - started
+            self._counts["build_s"] += ended - built
+        else:
+            work = self._start()
+            built = time.perf_counter()
+            generated = self._read(read)
+            ended = time.perf_counter()
+            self._counts["build_s"] += built - started
+            self._counts["wait_s"] += ended - built
         self._time(work, read, ended - started, ended)
         self._inflight = work
         return (work.progress if work else []), generated
 
-    def _start(self) -> Work | None:
+    def _reads_first(self) -> bool:
+        """Whether this step may verify proposals: a decoding row proposes, or the step in flight
+        verified some (its rows' lengths are known only once read)."""
+        if self.speculative is None:
+            return False
+        if self._inflight is not None and self._inflight.verified:
+            return True
+        return any(s.spec.adaptive.k > 0 and not s.spec.adaptive.waiting
+                   for s in self._slots.values() if not s.prefilling)
+
+    def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
+        """Each decoding row's proposals for this step (rows with none are left out). Every row's
+        controller counts the step, also when this step cannot speculate."""
+        out: dict[Slot, list[int]] = {}
+        if self.speculative is None:
+            return out
+        for s in decode:
+            k = min(s.spec.adaptive.budget(), s.max_tokens - s.sampled - 1)
+            if not speculate or k <= 0:
+                continue
+            proposals = s.spec.lookup.propose(s.known, k)
+            for process in s.decoding.logits_processors:
+                if proposals and hasattr(process, "admissible"):  # a grammar: cut at its first refusal
+                    proposals = proposals[:process.admissible(s.known[-1], proposals)]
+            if proposals:
+                out[s] = proposals
+        return out
+
+    def _start(self, speculate: bool = False) -> Work | None:
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
+        verify = self._proposals(decode, speculate)
         waiting = [(s.request_id, len(s.rest) - s.fed) for s in self._slots.values() if s.prefilling]
         stall = self._stall.tokens(len(decode))
         if stall is None and decode and self._stall.ratio is not None:
@@ -201,10 +254,13 @@ class StepRunner:
         if not decode and not chunks:
             return None
         with mx.stream(self._stream):
-            if chunks and self._flat:
-                work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks])
+            if (chunks or verify) and self._flat:
+                work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
             else:
-                work = self._decode(decode) if decode else None
+                if verify:  # every decoding row in one forward, padded to the most proposals
+                    work = self._verify_group(decode, verify)
+                else:
+                    work = self._decode(decode) if decode else None
                 if work is not None and chunks:
                     # Started before the prefill forward is built: that forward writes the same layer
                     # arrays, in place only once nothing still reads the decode's views of them.
@@ -248,7 +304,8 @@ class StepRunner:
             s.sampled += 1
         return Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
 
-    def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+    def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
+                         verify: dict[Slot, list[int]]) -> Work:
         """`_flat_step`, run to its end here and timed for the stall budget. On a CPU a step's
         forward mostly runs while it is built (the fast paths evaluate each layer's attention), so
         it cannot overlap the previous one anyway; waiting for that one first makes the time this
@@ -256,24 +313,36 @@ class StepRunner:
         if self._inflight is not None:
             mx.eval(self._inflight.tokens)
         started = time.perf_counter()
-        work = self._flat_step(decode, chunks)
+        work = self._flat_step([s for s in decode if s not in verify], chunks, verify)
         mx.eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
-        self._stall.record(time.perf_counter() - started, work.prefill_tokens, work.decoding)
+        if not verify:  # a verifying step is neither a plain decode nor priced as prompt tokens
+            self._stall.record(time.perf_counter() - started, work.prefill_tokens, work.decoding)
         return work
 
-    def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+    def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
+                   verify: dict[Slot, list[int]] | None = None) -> Work:
         """The decode rows and every prompt chunk as one flat forward (the CPU fast-path llama's
         `flat_attention`): the weights are read and every projection runs once for all of them.
         On the 2-core box a forward costs ~one pass over the weights whatever its rows, so a
         chunk in a forward of its own nearly doubled a decoding step."""
-        self._grow(self._table.span, max(s.length + n + 1 for s, n in chunks))
+        verify = verify or {}
+        self._grow(self._table.span, max([s.length + n + 1 for s, n in chunks]
+                                         + [s.length + len(p) + 2 for s, p in verify.items()]))
         batches, inputs, at = [], [], []
         if decode:
             batch, decode_inputs = self._decode_batch(decode)
             batches.append(batch)
             inputs.append(decode_inputs)
             at += [(0, i) for i in range(batch.count)]
-        ending, start = [], sum(b.count for b in batches)
+        start = sum(b.count for b in batches)
+        # A verifying row is a one-row part like a prompt chunk: its last token and its proposals.
+        for s, proposals in verify.items():
+            n = len(proposals) + 1
+            batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
+            inputs.append(mx.array([s.known[-1]] + proposals, dtype=mx.int32))
+            at += [(0, start + j) for j in range(n)]
+            start += n
+        ending = []
         for s, n in chunks:
             batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
             inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
@@ -285,11 +354,48 @@ class StepRunner:
         self._counts["prefill_tokens"] += sum(n for _, n in chunks)
         self._counts["forwards"] += 1
         logits = logits_at(self._model, mx.concatenate(inputs)[None], flat_views(batches), at)
-        work = self._decoded(decode, logits[:batches[0].count], inputs[0]) if decode else None
+        count = batches[0].count if decode else 0
+        work = self._decoded(decode, logits[:count], inputs[0]) if decode else None
+        if verify:
+            width = sum(len(p) + 1 for p in verify.values())
+            checked = self._verified(verify, [s.known[-1:] + p for s, p in verify.items()], logits[count:count + width])
+            work = checked if work is None else merge(work, checked)
         self._advance(chunks)
         firsts = [(s, first_token(s, logits[len(at) - len(ending) + j][None])) for j, s in enumerate(ending)]
         pre = self._prefilled(chunks, firsts)
         return pre if work is None else merge(work, pre)
+
+    def _verify_group(self, decode: list[Slot], verify: dict[Slot, list[int]]) -> Work:
+        """Every decoding row in one forward of its last token and its proposals (none for some),
+        padded to the longest: the padding writes past each row's length, where the row's next
+        tokens overwrite it. On a GPU the width is always the most proposals a row may make, so
+        the widths do not multiply the shapes compiled."""
+        ins = [s.known[-1:] + verify.get(s, []) for s in decode]
+        width = max(len(x) for x in ins) if self._on_cpu else self.speculative.max_tokens + 1
+        self._grow(self._table.span, max(s.length + width + 1 for s in decode))
+        starts = [s.length for s in decode]
+        keys_len = self._keys_len(max(a + width for a in starts)) if len(decode) == 1 \
+            else round_up(max(a + width for a in starts), self._block)
+        batch = Batch(self._kv, starts, width, [s.row for s in decode], keys_len, [len(x) for x in ins])
+        self._shapes_seen.add((len(decode), width, keys_len, self._kv.capacity))
+        self._counts["forwards"] += 1
+        inputs = mx.array([x + [0] * (width - len(x)) for x in ins], dtype=mx.int32)
+        logits = logits_at(self._model, inputs, batch.views(), [(b, j) for b, x in enumerate(ins) for j in range(len(x))])
+        return self._verified({s: verify.get(s, []) for s in decode}, ins, logits)
+
+    def _verified(self, verify: dict[Slot, list[int]], ins: list[list[int]], logits: mx.array) -> Work:
+        """Sample every position of the verifying rows (`ins`: each row's inputs, in `verify`'s
+        order; `logits` one row per input); acceptance is decided when the step is read back."""
+        rows, at, outputs = [], 0, []
+        for (s, proposals), inputs in zip(verify.items(), ins):
+            rows.append((s, inputs, logits[at:at + len(inputs)]))
+            outputs.append((s, at))
+            at += len(inputs)
+            s.length += len(inputs)  # rolled back at the read for the rejected ones
+            s.sampled += len(inputs)
+        tokens, logprobs = sample_positions(rows)
+        self._counts["spec_steps"] += 1
+        return Work(outputs, tokens, logprobs, len(verify), 0, verified=dict(verify))
 
     def _keys_len(self, end: int) -> int:
         """A forward's key length: on a GPU bucketed (each new shape is a compile), on a CPU exact,
@@ -362,11 +468,54 @@ class StepRunner:
         if work is None:
             return []
         tokens = work.tokens.tolist()
-        out = []
+        out: list[Generated] = []
+        feed: list[tuple[int, int]] = []  # (row, token) a verifying row feeds next
         for slot, i in work.outputs:
-            if self._slots.get(slot.request_id) is slot:  # else finished or removed since
+            if self._slots.get(slot.request_id) is not slot:  # finished or removed since
+                continue
+            proposals = work.verified.get(slot)
+            if proposals is None:
                 out.append(self._read_one(slot, tokens[i], work.logprobs[i]))
+                continue
+            sampled = tokens[i:i + len(proposals) + 1]
+            taken = accepted(proposals, sampled)
+            self._settle(slot, proposals, taken)
+            for j in range(taken + 1):  # a run ends where the request does: later tokens are dropped
+                g = self._read_one(slot, sampled[j], work.logprobs[i + j])
+                out.append(g)
+                if g.finish_reason is not None:
+                    break
+            else:
+                feed.append((slot.row, sampled[taken]))
+        if feed:
+            self._next_input[mx.array([r for r, _ in feed], dtype=mx.int32)] = mx.array([t for _, t in feed],
+                                                                                         dtype=mx.int32)
         return out
+
+    def _settle(self, slot: Slot, proposals: list[int], taken: int) -> None:
+        """A verified row's outcome: the rejected positions' KV is dropped (the row's length rolls
+        back; later tokens overwrite it), and its processors, sampler key and context go back to
+        where the accepted positions left them."""
+        rejected = len(proposals) - taken
+        spec = slot.spec
+        if rejected:
+            slot.length -= rejected
+            slot.sampled -= rejected
+            if slot.decoding.logits_processors and slot.context is not None:
+                slot.context = slot.context[:slot.context.shape[0] - rejected]
+            states, key = spec.undo[taken + 1]
+            for process, state in zip(slot.decoding.logits_processors, states or ()):
+                if state is not None:
+                    process.restore(state)
+            if key is not None:
+                slot.decoding.sampler.key = key
+        spec.undo = None
+        if proposals:
+            spec.proposed += len(proposals)
+            spec.accepted += taken
+            spec.adaptive.record(len(proposals), taken)
+            self._counts["spec_proposed_tokens"] += len(proposals)
+            self._counts["spec_accepted_tokens"] += taken
 
     def _read_one(self, slot: Slot, token: int, logprobs: mx.array) -> Generated:
         slot.generated += 1

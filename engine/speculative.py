@@ -1,0 +1,187 @@
+"""Speculative decoding for the own step (engine/step_runner.py): what to propose, and how many.
+
+Imports no MLX, so the policy is tested with no model at all.
+
+A decoding row feeds its last token plus up to k proposed tokens in one forward; the step samples
+every position with the request's own sampler and keeps the proposals up to the first one that
+differs from what was sampled before it (`accepted`), plus that sample. For greedy requests that is
+exact. For sampled ones it is the speculative-sampling rule for a point-mass proposal: accepting
+proposal x when a draw y ~ p equals x happens with probability p(x), and otherwise the draw y is a
+sample of p with x removed and renormalised (P(y = z | y != x) = p(z) / (1 - p(x))), so the output
+has the distribution of sampling without speculation (tests/test_speculative.py checks it with a
+chi-squared test).
+
+Proposals come from prompt lookup: the request's own prompt and output, indexed by the n-grams that
+end at each position; the longest suffix n-gram seen before proposes the tokens that followed its
+latest earlier occurrence. Agents re-emit what their context holds (a file in an edit, quoted code,
+tool arguments), which this predicts with no second model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+METHODS = ("prompt_lookup", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`engine.speculative` as a mapping. `max_tokens`: most proposals a row verifies in a step;
+    `ngram_max`/`ngram_min`: the suffix lengths prompt lookup matches, longest first;
+    `draft_model`: the draft model's path (method "draft")."""
+
+    method: str = "prompt_lookup"
+    max_tokens: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"engine.speculative.method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft":
+            # Not built: the draft-model path (lowest priority of issue 34) is not implemented yet.
+            raise ValueError('engine.speculative.method "draft" is not available yet; use "prompt_lookup"')
+        if self.max_tokens < 1:
+            raise ValueError("engine.speculative.max_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("engine.speculative needs 1 <= ngram_min <= ngram_max")
+
+
+def parse_speculative(value: Any) -> "str | SpecConfig":
+    """`off`, `auto` or a mapping (YAML) as the config keeps it: "off", "auto" or a SpecConfig."""
+    if value is None or value is False or value == "off":
+        return "off"
+    if value == "auto":
+        return "auto"
+    if isinstance(value, SpecConfig):
+        return value
+    if isinstance(value, Mapping):
+        return SpecConfig(**value)
+    raise ValueError('engine.speculative must be "off", "auto" or a mapping (method, max_tokens, ...)')
+
+
+# Where `auto` turns speculation on. Measured on the 2-core box (docs/measurements.md, "Speculative
+# decoding"): prompt lookup pays on the CPU. On GPUs it is on until the H200 measurement says
+# otherwise (issue 34: a host-bound step costs about the same for k+1 tokens a row as for one).
+AUTO_ON_CPU = True
+AUTO_ON_GPU = True
+
+
+def resolve(value: "str | SpecConfig", on_cpu: bool) -> SpecConfig | None:
+    """The speculation a runner uses (None: off)."""
+    if value == "off":
+        return None
+    if value == "auto":
+        return SpecConfig() if (AUTO_ON_CPU if on_cpu else AUTO_ON_GPU) else None
+    return value  # type: ignore[return-value]
+
+
+def accepted(proposals: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many proposals stand: proposal j (fed at position j + 1) stands while the token sampled
+    at position j equals it. `sampled` has one more entry than `proposals` (the last position's)."""
+    n = 0
+    while n < len(proposals) and sampled[n] == proposals[n]:
+        n += 1
+    return n
+
+
+class PromptLookup:
+    """An index of a request's tokens by the n-grams ending before each position: n-gram -> the
+    position right after its latest occurrence. Built incrementally (`sync`), so a step costs a
+    few dictionary operations per row, not a scan of the context."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # positions i whose preceding n-grams are in the index
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Index every position up to len(tokens) - 1: the n-grams ending at the last token are not
+        indexed (its continuation is unknown), so a lookup of the suffix finds an earlier match."""
+        for i in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
+                self._next[tuple(tokens[i - n:i])] = i
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix n-gram's latest earlier occurrence."""
+        if k <= 0:
+            return []
+        self.sync(tokens)
+        end = len(tokens)
+        for n in range(min(self.ngram_max, end), self.ngram_min - 1, -1):
+            at = self._next.get(tuple(tokens[end - n:end]))
+            if at is not None:
+                return list(tokens[at:min(at + k, end)])
+        return []
+
+
+class Adaptive:
+    """How many tokens a row proposes, from its recent acceptance: all accepted doubles k (up to
+    `limit`), a rejection sets it to what was accepted plus one; when the moving acceptance rate
+    falls under `floor`, proposals stop for `backoff` steps (doubling each time it happens again),
+    then one probe. Each proposed token costs a verification position, so proposals that are not
+    accepted only cost; a request whose output is not in its context ends up at 0."""
+
+    def __init__(self, limit: int, floor: float = 0.2, weight: float = 0.3, backoff: int = 8,
+                 max_backoff: int = 256) -> None:
+        self.limit = limit
+        self.floor = floor
+        self.weight = weight
+        self.k = min(2, limit)
+        self.rate = 1.0  # moving acceptance rate of proposed tokens
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._wait = 0  # steps left without proposals
+        self._base_backoff = backoff
+
+    def budget(self) -> int:
+        """The k for this step (0 while backing off); counts a step."""
+        if self._wait > 0:
+            self._wait -= 1
+            if self._wait == 0:
+                self.k = 1  # a probe
+                self.rate = self.floor * 1.2  # one more miss backs off again, longer
+            return 0
+        return self.k
+
+    def record(self, proposed: int, taken: int) -> None:
+        if proposed <= 0:
+            return
+        self.rate += self.weight * (taken / proposed - self.rate)
+        if taken == proposed:
+            self.k = min(self.limit, max(2 * self.k, taken + 1))
+            if self.rate >= self.floor:
+                self._backoff = self._base_backoff
+        else:
+            self.k = max(1, min(self.limit, taken + 1))
+        if self.rate < self.floor:
+            self._wait = self._backoff
+            self._backoff = min(self._max_backoff, 2 * self._backoff)
+            self.k = 0
+
+    @property
+    def waiting(self) -> bool:
+        return self._wait > 0
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its lookup index, its k controller and its counters."""
+
+    lookup: PromptLookup
+    adaptive: Adaptive
+    proposed: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, accepted
+    drafts: list[int] | None = None  # the proposals of its step in flight
+    undo: list[Any] | None = None  # per position, what to restore when it is rejected (processor/sampler states)
+
+    def stats(self) -> dict[str, int]:
+        return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted}
+
+
+def new_state(config: SpecConfig) -> SpecState:
+    return SpecState(PromptLookup(config.ngram_min, config.ngram_max), Adaptive(config.max_tokens))
