@@ -48,6 +48,9 @@ def plain(model, config):
     return StepRunner(model, EngineConfig(**{**config.__dict__, "speculative": "off"}))
 
 
+_echoes: dict = {}
+
+
 def echo_jobs(model, seed: int, n: int = 6, spread: int = 20) -> list[Job]:
     """Prompts that hold their own greedy continuation: a random start, what the model says after
     it, and the start again, so prompt lookup proposes long runs that are mostly accepted (and
@@ -55,7 +58,10 @@ def echo_jobs(model, seed: int, n: int = 6, spread: int = 20) -> list[Job]:
     rng = random.Random(seed)
     vocab = model.args.vocab_size
     starts = [[rng.randrange(1, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
-    said = drive(model, plain, [Job(s, 30) for s in starts])
+    key = (id(model), seed, n)
+    if key not in _echoes:
+        _echoes[key] = drive(model, plain, [Job(s, 30) for s in starts])
+    said = _echoes[key]
     return [Job(s + j.tokens + s, rng.randrange(5, 60), rng.randrange(0, spread)) for s, j in zip(starts, said)]
 
 
@@ -70,5 +76,160 @@ def test_echo_prompts_match_without_speculation_and_accept_most(model):
     ours = drive(model, spec_runner(SPEC, seen), jobs)
     assert_same(ours, drive(model, Runner, jobs))
     proposed, taken = counts(seen["runner"])
-    print("spec", proposed, taken)
     assert proposed > 0 and taken > proposed * 0.3, (proposed, taken)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), spread=st.integers(1, 30), rows=st.sampled_from([2, 3, 8]),
+       k=st.sampled_from([1, 3, 8]))
+def test_random_schedules_with_aborts_stops_and_prefixes_match(model, seed, spread, rows, k):
+    """Echo prompts and random ones arriving at random steps; one aborted, one stopping on a token
+    it generates (inside an accepted run, mostly), some starting from a cached prefix."""
+    rng = random.Random(seed)
+    jobs = echo_jobs(model, seed % 3, n=4, spread=spread)
+    vocab = model.args.vocab_size
+    jobs += [Job([rng.randrange(1, vocab) for _ in range(rng.randrange(1, 120))], rng.randrange(1, 40),
+                 rng.randrange(0, spread)) for _ in range(2)]
+    rng.shuffle(jobs)
+    reference = drive(model, Runner, jobs, max_running=rows)
+    jobs[0].abort = jobs[0].arrive + rng.randrange(1, 8)
+    said = reference[1].tokens
+    jobs[1].stop = (said[len(said) * 2 // 3],)
+    jobs[2].prefix = rng.randrange(1, len(jobs[2].prompt))
+    seen: dict = {}
+    ours = drive(model, spec_runner(SpecConfig(max_tokens=k), seen), jobs, max_running=rows)
+    assert_same(ours, drive(model, Runner, jobs, max_running=rows))
+    assert ours[1].ending in ("stop", "length") and (ours[1].ending == "length" or ours[1].tokens[-1] in jobs[1].stop)
+    assert counts(seen["runner"])[0] > 0
+
+
+def test_a_finished_requests_cache_holds_no_rejected_position(model):
+    """The cache handed back at the end covers exactly its tokens, with the keys a fresh prefill of
+    them gives (a rejected proposal's keys would differ where it was written)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    jobs = echo_jobs(model, seed=4, n=3)
+    seen: dict = {}
+    runner = spec_runner(SPEC, seen)(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4))
+    finals = {}
+    for i, j in enumerate(jobs):
+        params = SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=True)
+        runner.insert(str(i), j.prompt, [], None, make_decoding(params, len(j.prompt), []), j.max_tokens)
+    while len(runner):
+        for g in runner.step()[1]:
+            if g.finish_reason:
+                finals[g.request_id] = g
+    proposed, taken = counts(runner)
+    assert proposed > taken > 0  # some rejected, some accepted
+    for g in finals.values():
+        fresh = make_prompt_cache(model)
+        model(mx.array([g.tokens]), cache=fresh)
+        for ours, ref in zip(g.cache, fresh):
+            assert ours.offset == ref.offset == len(g.tokens)
+            assert mx.abs(ours.state[0] - ref.state[0][..., :ours.offset, :]).max().item() < 1e-4
+
+
+def test_rings_do_not_speculate_and_still_match(model):
+    """A ring table (max_kv_size) turns speculation off: a rejected position's write would land on
+    a ring slot that later tokens still attend to."""
+    from test_step_runner import RotatingRunner
+
+    config = EngineConfig(model="tiny", max_kv_size=32, speculative=SPEC)
+    assert StepRunner(model, config).speculative is None
+    assert StepRunner(model, EngineConfig(model="tiny", speculative=SPEC)).speculative == SPEC
+    jobs = echo_jobs(model, seed=5, n=3)
+    seen: dict = {}
+    assert_same(drive(model, spec_runner(SPEC, seen), jobs, max_kv_size=32),
+                drive(model, RotatingRunner, jobs, max_kv_size=32))
+    assert counts(seen["runner"]) == (0, 0)
+
+
+# -- the acceptance rule keeps the target distribution -------------------------------------------
+
+def chi_squared(observed: list[int], expected: list[float]) -> float:
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+
+
+def test_sampled_acceptance_reproduces_the_target_distribution():
+    """A fixed target p over 6 tokens, a proposal x = 2 (p(x) = 0.3), temperature 0.7 and top_k 5
+    applied by the request's own sampler: the emitted first token is distributed as the target
+    (accepted with probability p'(x), else drawn from the rest renormalised), and the token after
+    an accepted proposal is distributed as its own position's target."""
+    from engine.sampling import make_request_sampler
+    from engine.speculative import new_state
+    from engine.step_sampling import sample_positions
+    from engine.step_state import Slot
+
+    p0 = [0.05, 0.25, 0.30, 0.10, 0.20, 0.10]
+    p1 = [0.40, 0.04, 0.06, 0.30, 0.09, 0.11]
+    params = SamplingParams(temperature=0.7, top_k=5, max_tokens=8)
+    decoding = make_decoding(params, 1, [])
+    trials = 4000
+    slot = Slot("r", 0, decoding, None, 8, [1], [1], 1, spec=new_state(SPEC))
+    logits = mx.log(mx.array([p0, p1]))
+    rows = [(slot, [1, 2], logits)] * trials  # last token 1, proposal 2
+    tokens, _ = sample_positions(rows)
+    drawn = tokens.tolist()
+    firsts, seconds = [0] * 6, [0] * 6
+    for t in range(trials):
+        y0, y1 = drawn[2 * t], drawn[2 * t + 1]
+        taken = accepted([2], [y0, y1])
+        emitted = [y0, y1][:taken + 1]
+        firsts[emitted[0]] += 1
+        if taken:
+            seconds[emitted[1]] += 1
+
+    def target(p):  # what sampling without speculation draws from: top_k 5, temperature 0.7
+        kept = sorted(p, reverse=True)[:5]
+        w = [x ** (1 / 0.7) if x >= kept[-1] else 0.0 for x in p]
+        return [x / sum(w) for x in w]
+
+    q0, q1 = target(p0), target(p1)
+    # 5 degrees of freedom (one cell is 0 under top_k): the 0.999 quantile is 20.5
+    assert chi_squared(firsts, [q * trials for q in q0]) < 20.5, firsts
+    assert firsts[0] == 0  # cut by top_k, never emitted
+    assert abs(firsts[2] / trials - q0[2]) < 0.03  # the acceptance rate is p'(x)
+    assert chi_squared(seconds, [q * firsts[2] for q in q1]) < 20.5, seconds
+
+
+# -- the policy on its own ------------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
+    lookup = PromptLookup(1, 3)
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 3, 6, 7]
+    # suffix (6, 7): latest earlier occurrence at 6..7, followed by 8, 2, 3
+    assert lookup.propose(tokens, 3) == [8, 2, 3]
+    assert lookup.propose(tokens + [8], 2) == [2, 3]  # (6, 7, 8) latest at 6..8
+    assert lookup.propose([1, 2, 3], 4) == []  # nothing seen before
+    assert lookup.propose(tokens, 0) == []
+    assert PromptLookup(1, 3).propose([4, 4], 5) == [4]  # only what is known
+
+
+def test_adaptive_k_grows_on_acceptance_and_stops_when_it_does_not_pay():
+    a = Adaptive(8)
+    assert a.budget() == 2
+    a.record(2, 2)
+    assert a.budget() == 4
+    a.record(4, 1)
+    assert a.budget() == 2
+    for _ in range(6):
+        a.record(a.budget() or 1, 0)
+    assert a.budget() == 0 and a.waiting
+    while a.waiting:
+        assert a.budget() == 0
+    assert a.budget() == 1  # a probe
+    a.record(1, 0)
+    waited = 0
+    while a.budget() == 0:
+        waited += 1
+    assert waited > 8  # backed off longer the second time
+
+
+def test_speculative_settings_parse():
+    assert EngineConfig().speculative == "auto"
+    assert EngineConfig(speculative="off").speculative == "off"
+    assert EngineConfig.from_dict({"speculative": {"max_tokens": 4}}).speculative == SpecConfig(max_tokens=4)
+    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes"):
+        with pytest.raises(ValueError):
+            parse_speculative(bad)
+    assert StepRunner.__name__ and EngineConfig(speculative=False).speculative == "off"
