@@ -233,3 +233,74 @@ def test_speculative_settings_parse():
         with pytest.raises(ValueError):
             parse_speculative(bad)
     assert StepRunner.__name__ and EngineConfig(speculative=False).speculative == "off"
+
+
+# -- the whole engine: every sampling setting, stop strings, grammars, logprobs -------------------
+
+ENGINE_CASES = {
+    "greedy": dict(),
+    "repetition": dict(repetition_penalty=1.3),
+    "penalties": dict(frequency_penalty=0.8, presence_penalty=0.5),
+    "bias": dict(logit_bias=((5, 4.0), (7, -100.0))),
+    "logprobs": dict(logprobs=3),
+    "seeded": dict(temperature=0.8, seed=11, top_p=0.9, min_p=0.02, top_k=50),
+    "stop-string": dict(stop=("STOP",)),  # the stop text is set per prompt below
+    "grammar": dict(grammar="GRAMMAR"),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    from engine_helpers import make_engine, run
+
+    made = {name: make_engine(tiny_model_dir, speculative=spec)
+            for name, spec in (("off", "off"), ("on", SpecConfig(max_tokens=6)))}
+    yield made
+    for engine in made.values():
+        run(engine.shutdown())
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_engine_text_logprobs_and_endings_equal_with_speculation_on_and_off(engines, case):
+    """Echo prompts (a start, the model's own continuation, the start again) so proposals are long
+    and mostly accepted; a stop string from inside the continuation (so it ends an accepted run);
+    a JSON-schema grammar whose continuation was itself generated under the grammar."""
+    import asyncio
+    from dataclasses import replace
+
+    from engine.types import Request
+    from engine_helpers import collect, run
+    from test_constraints import GRAMMAR
+
+    params = dict(ENGINE_CASES[case])
+    if "grammar" in params:
+        params["grammar"] = GRAMMAR
+    off, on = engines["off"], engines["on"]
+    tok = off.tokenizer
+    starts = [tok.encode(t) for t in ("def main():\n    print('hello')", "Paris is the capital of", "1 2 3 4 5 6 7")]
+
+    def req(tokens, **extra):
+        sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, **extra})
+        return Request(tuple(tokens), sampling)
+
+    async def gather(engine, reqs):
+        return await asyncio.gather(*(collect(engine, r) for r in reqs))
+
+    base = {k: v for k, v in params.items() if k != "stop"}
+    said = run(gather(off, [req(s, **base) for s in starts]))
+    prompts = [s + [e.token_id for e in events if e.token_id is not None] + s for s, (_, events) in zip(starts, said)]
+    if "stop" in params:  # a few characters from the middle of what it says after an echo prompt
+        again = run(gather(off, [req(p, **base) for p in prompts]))
+        params["stop"] = tuple(text[len(text) // 2:len(text) // 2 + 3] for text, _ in again if len(text) > 6)[:1]
+    before = run(on.call(lambda e: e.status()))["runner"]["spec_accepted_tokens"]
+    results = {}
+    for name, engine in engines.items():
+        out = run(gather(engine, [req(p, **params) for p in prompts]))
+        results[name] = [(text, events[-1].finish_reason, events[-1].stop_string,
+                          [(e.token_id, round(e.logprob.logprob, 4), [t for t, _ in e.logprob.top]) if e.logprob else e.token_id
+                           for e in events]) for text, events in out]
+    assert results["on"] == results["off"]
+    runner = run(on.call(lambda e: e.status()))["runner"]
+    assert runner["spec_accepted_tokens"] > before
+    if "stop" in params:
+        assert any(r[1].value == "stop" for r in results["on"])
