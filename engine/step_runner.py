@@ -64,10 +64,12 @@ def unsupported(model: Any, config: EngineConfig) -> str | None:
 
 
 class StepRunner:
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(self, model: Any, config: EngineConfig, on_cpu: bool | None = None) -> None:
+        """`on_cpu`: which backend's step to build (None: the default device's); False on a CPU runs
+        the GPU's step there (padded, bucketed shapes), which tests use to check it."""
         self._model = model
         self._config = config
-        self._on_cpu = mx.default_device() == mx.cpu
+        self._on_cpu = mx.default_device() == mx.cpu if on_cpu is None else on_cpu
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self.kv_window = config.max_kv_size  # every row is a ring of this many positions when set

@@ -34,11 +34,11 @@ def model(request, tiny_model_dir):
     return loaded
 
 
-def spec_runner(spec=SPEC, seen: dict | None = None):
+def spec_runner(spec=SPEC, seen: dict | None = None, on_cpu: bool | None = None):
     seen = {} if seen is None else seen
 
     def make(model, config):
-        runner = StepRunner(model, EngineConfig(**{**config.__dict__, "speculative": spec}))
+        runner = StepRunner(model, EngineConfig(**{**config.__dict__, "speculative": spec}), on_cpu=on_cpu)
         seen["runner"] = runner
         return runner
     return make
@@ -101,6 +101,18 @@ def test_random_schedules_with_aborts_stops_and_prefixes_match(model, seed, spre
     assert_same(ours, drive(model, Runner, jobs, max_running=rows))
     assert ours[1].ending in ("stop", "length") and (ours[1].ending == "length" or ours[1].tokens[-1] in jobs[1].stop)
     assert counts(seen["runner"])[0] > 0
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_the_gpus_step_verifies_in_one_padded_forward_and_matches(model, k):
+    """The GPU's step run on the CPU: power-of-two rows, 256-position key buckets, and every
+    decoding row in one forward as wide as the most proposals a row may make."""
+    jobs = echo_jobs(model, seed=6, n=5, spread=10)
+    seen: dict = {}
+    ours = drive(model, spec_runner(SpecConfig(max_tokens=k), seen, on_cpu=False), jobs, max_running=8)
+    assert_same(ours, drive(model, Runner, jobs, max_running=8))
+    proposed, taken = counts(seen["runner"])
+    assert proposed > taken > 0
 
 
 def test_a_finished_requests_cache_holds_no_rejected_position(model):
