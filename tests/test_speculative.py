@@ -316,3 +316,33 @@ def test_engine_text_logprobs_and_endings_equal_with_speculation_on_and_off(engi
     assert runner["spec_accepted_tokens"] > before
     if "stop" in params:
         assert any(r[1].value == "stop" for r in results["on"])
+
+
+def test_metrics_and_admin_requests_show_proposed_and_accepted_tokens(engines):
+    """`/metrics` renders the runner's counters as `pomona_engine_runner{kind=...}`; a running
+    request's row in `/admin/requests` (Engine.running_status) carries its own."""
+    import asyncio
+
+    from api.metrics import IngressMetrics
+    from engine.types import Request
+    from engine_helpers import collect, run
+
+    on = engines["on"]
+    start = on.tokenizer.encode("Hello world! How are you today?")
+    said = run(collect(on, Request(tuple(start), SamplingParams(temperature=0.0, max_tokens=30))))[1]
+    prompt = start + [e.token_id for e in said if e.token_id is not None] + start
+    rows: list = []
+
+    async def go():
+        stream = on.stream(Request(tuple(prompt), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                                   request_id="watched"))
+        async for batch in stream:
+            rows.extend(r for r in await on.call(lambda e: e.running_status()) if r["id"] == "watched")
+            if batch[-1].finished:
+                break
+    run(go())
+    assert rows and all("spec_proposed_tokens" in r and "spec_accepted_tokens" in r for r in rows)
+    assert max(r["spec_accepted_tokens"] for r in rows) > 0
+    text = IngressMetrics().render(run(on.call(lambda e: e.status())))
+    assert 'pomona_engine_runner{kind="spec_accepted_tokens"}' in text
+    assert 'pomona_engine_runner{kind="spec_proposed_tokens"}' in text
