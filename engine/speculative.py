@@ -120,52 +120,64 @@ class PromptLookup:
 
 
 class Adaptive:
-    """How many tokens a row proposes, from its recent acceptance: all accepted doubles k (up to
-    `limit`), a rejection sets it to what was accepted plus one; when the moving acceptance rate
-    falls under `floor`, proposals stop for `backoff` steps (doubling each time it happens again),
-    then one probe. Each proposed token costs a verification position, so proposals that are not
-    accepted only cost; a request whose output is not in its context ends up at 0."""
+    """How many tokens a row proposes, from its recent acceptance and what a proposal costs.
 
-    def __init__(self, limit: int, floor: float = 0.2, weight: float = 0.3, backoff: int = 8,
-                 max_backoff: int = 256) -> None:
+    `q` estimates the chance that a proposal stands given that the ones before it did (decayed
+    counts of accepted and tried positions), so proposal j stands with chance q**j. The step gives a
+    `floor`: the acceptance chance a proposed token needs to pay for the position it adds to the
+    forward (engine/step_runner.py: on a CPU a position costs about what a decoding row does, so
+    the floor rises with the batch; on a GPU a step's positions are nearly free). k is the largest
+    j with q**j >= floor (at most `limit`); when q falls under the floor, proposals stop for
+    `backoff` steps, doubling each time, then one probe. A request whose output is not in its
+    context ends up at 0."""
+
+    def __init__(self, limit: int, decay: float = 0.7, backoff: int = 8, max_backoff: int = 256) -> None:
         self.limit = limit
-        self.floor = floor
-        self.weight = weight
-        self.k = min(2, limit)
-        self.rate = 1.0  # moving acceptance rate of proposed tokens
+        self.decay = decay
+        self._accepted, self._tried = 1.2, 2.0  # a prior of 0.6 worth two positions
+        self._base_backoff = backoff
         self._backoff = backoff
         self._max_backoff = max_backoff
         self._wait = 0  # steps left without proposals
-        self._base_backoff = backoff
+        self._probe = False
 
-    def budget(self) -> int:
-        """The k for this step (0 while backing off); counts a step."""
-        if self._wait > 0:
-            self._wait -= 1
-            if self._wait == 0:
-                self.k = 1  # a probe
-                self.rate = self.floor * 1.2  # one more miss backs off again, longer
-            return 0
-        return self.k
-
-    def record(self, proposed: int, taken: int) -> None:
-        if proposed <= 0:
-            return
-        self.rate += self.weight * (taken / proposed - self.rate)
-        if taken == proposed:
-            self.k = min(self.limit, max(2 * self.k, taken + 1))
-            if self.rate >= self.floor:
-                self._backoff = self._base_backoff
-        else:
-            self.k = max(1, min(self.limit, taken + 1))
-        if self.rate < self.floor:
-            self._wait = self._backoff
-            self._backoff = min(self._max_backoff, 2 * self._backoff)
-            self.k = 0
+    @property
+    def q(self) -> float:
+        return self._accepted / self._tried
 
     @property
     def waiting(self) -> bool:
         return self._wait > 0
+
+    def budget(self, floor: float = 0.0) -> int:
+        """The k for this step (0 while backing off); counts a step."""
+        if self._wait > 0:
+            self._wait -= 1
+            self._probe = self._wait == 0
+            return 0
+        if self._probe:
+            return 1
+        q = self.q
+        if q < max(floor, 1e-6):
+            self._wait = self._backoff
+            self._backoff = min(self._max_backoff, 2 * self._backoff)
+            return 0
+        k, chance = 1, q * q
+        while k < self.limit and chance >= floor:
+            k += 1
+            chance *= q
+        return k
+
+    def record(self, proposed: int, taken: int) -> None:
+        if proposed <= 0:
+            return
+        tried = taken + (1 if taken < proposed else 0)
+        self._accepted = self.decay * self._accepted + taken
+        self._tried = self.decay * self._tried + tried
+        if self._probe:
+            self._probe = False
+            if taken:  # the context pays again: the next back-off starts short
+                self._backoff = self._base_backoff
 
 
 @dataclass

@@ -35,6 +35,15 @@ from engine.slots import (MIN_PREFILL_TOKENS, POSITION_BLOCK_CPU, POSITION_BLOCK
                           plan_prefill, round_up, row_bucket)
 
 log = logging.getLogger("pomona.engine")
+
+# What a step costs apart from its positions, in positions (the acceptance floor of a proposal,
+# `StepRunner._proposals`). The 2-core box, SmolLM2-135M float32: a decode step of one row ~60 ms,
+# each further position (a decoding row or a verified proposal) ~5-6 ms (8 rows ~118 ms, 8 rows
+# plus 8 proposals ~153-200 ms): about 8-10 positions' worth. A GPU step is bound by the host
+# building it (H200, 1B: 4.3 ms for 1 row, 7.6 ms for 32): positions are nearly free until hundreds.
+SPEC_FIXED_POSITIONS_CPU = 8
+SPEC_FIXED_POSITIONS_GPU = 256
+SPEC_MIN_FLOOR = 0.1  # a verifying step does not overlap the previous one: some floor on any backend
 _told: set[str] = set()  # fallback reasons already logged
 
 
@@ -223,8 +232,7 @@ class StepRunner:
             return False
         if self._inflight is not None and self._inflight.verified:
             return True
-        return any(s.spec.adaptive.k > 0 and not s.spec.adaptive.waiting
-                   for s in self._slots.values() if not s.prefilling)
+        return any(not s.spec.adaptive.waiting for s in self._slots.values() if not s.prefilling)
 
     def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
         """Each decoding row's proposals for this step (rows with none are left out). Every row's
@@ -232,8 +240,13 @@ class StepRunner:
         out: dict[Slot, list[int]] = {}
         if self.speculative is None:
             return out
+        # The acceptance chance a proposed position must have to pay for itself: it costs about
+        # 1 / (rows + fixed) of the step (`fixed`: the step's cost not per position, in positions),
+        # and the step emits about `rows` tokens.
+        fixed = SPEC_FIXED_POSITIONS_CPU if self._on_cpu else SPEC_FIXED_POSITIONS_GPU
+        floor = max(SPEC_MIN_FLOOR, len(decode) / (len(decode) + fixed))
         for s in decode:
-            k = min(s.spec.adaptive.budget(), s.max_tokens - s.sampled - 1)
+            k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
             if not speculate or k <= 0:
                 continue
             proposals = s.spec.lookup.propose(s.known, k)
@@ -256,7 +269,11 @@ class StepRunner:
         if not decode and not chunks:
             return None
         with mx.stream(self._stream):
-            if (chunks or verify) and self._flat:
+            if verify and not chunks and self._flat:
+                # Not waited for here: a verifying step's attention stays lazy (CpuAttention takes
+                # MLX's for a few queries), so the step overlaps what the engine does meanwhile.
+                work = self._flat_step([s for s in decode if s not in verify], [], verify)
+            elif chunks and self._flat:
                 work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
             else:
                 if verify:  # every decoding row in one forward, padded to the most proposals
@@ -337,13 +354,17 @@ class StepRunner:
             inputs.append(decode_inputs)
             at += [(0, i) for i in range(batch.count)]
         start = sum(b.count for b in batches)
-        # A verifying row is a one-row part like a prompt chunk: its last token and its proposals.
-        for s, proposals in verify.items():
-            n = len(proposals) + 1
-            batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
-            inputs.append(mx.array([s.known[-1]] + proposals, dtype=mx.int32))
-            at += [(0, start + j) for j in range(n)]
-            start += n
+        # The verifying rows are one part: each its last token and its proposals, padded to the
+        # longest (written past the row's length, overwritten later). One part rather than one
+        # per row: on the 2-core box each part's rope, writes and attention cost a few ms a step
+        # whatever its tokens.
+        if verify:
+            group = self._verify_batch(list(verify), [len(p) + 1 for p in verify.values()])
+            batches.append(group)
+            inputs.append(mx.array([x for s, p in verify.items() for x in self._padded(s, p, group.tokens)],
+                                   dtype=mx.int32))
+            at += [(0, start + b * group.tokens + j) for b, p in enumerate(verify.values()) for j in range(len(p) + 1)]
+            start += group.count * group.tokens
         ending = []
         for s, n in chunks:
             batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
@@ -373,17 +394,25 @@ class StepRunner:
         tokens overwrite it. On a GPU the width is always the most proposals a row may make, so
         the widths do not multiply the shapes compiled."""
         ins = [s.known[-1:] + verify.get(s, []) for s in decode]
-        width = max(len(x) for x in ins) if self._on_cpu else self.speculative.max_tokens + 1
-        self._grow(self._table.span, max(s.length + width + 1 for s in decode))
-        starts = [s.length for s in decode]
-        keys_len = self._keys_len(max(a + width for a in starts)) if len(decode) == 1 \
-            else round_up(max(a + width for a in starts), self._block)
-        batch = Batch(self._kv, starts, width, [s.row for s in decode], keys_len, [len(x) for x in ins])
-        self._shapes_seen.add((len(decode), width, keys_len, self._kv.capacity))
+        batch = self._verify_batch(decode, [len(x) for x in ins])
+        self._shapes_seen.add((len(decode), batch.tokens, batch.keys_len, self._kv.capacity))
         self._counts["forwards"] += 1
-        inputs = mx.array([x + [0] * (width - len(x)) for x in ins], dtype=mx.int32)
+        inputs = mx.array([self._padded(s, verify.get(s, []), batch.tokens) for s in decode], dtype=mx.int32)
         logits = logits_at(self._model, inputs, batch.views(), [(b, j) for b, x in enumerate(ins) for j in range(len(x))])
         return self._verified({s: verify.get(s, []) for s in decode}, ins, logits)
+
+    def _verify_batch(self, slots: list[Slot], counts: list[int]) -> Batch:
+        """Rows feeding their last token and proposals (`counts` tokens each) at their lengths,
+        padded to the longest; on a GPU to the most a row may feed (one shape whatever the
+        proposals), with the key length bucketed as a decode's."""
+        width = max(counts) if self._on_cpu else self.speculative.max_tokens + 1
+        self._grow(self._table.span, max(s.length + width + 1 for s in slots))
+        keys_len = self._keys_len(max(s.length + width for s in slots))
+        return Batch(self._kv, [s.length for s in slots], width, [s.row for s in slots], keys_len, counts)
+
+    @staticmethod
+    def _padded(s: Slot, proposals: list[int], width: int) -> list[int]:
+        return s.known[-1:] + proposals + [0] * (width - 1 - len(proposals))
 
     def _verified(self, verify: dict[Slot, list[int]], ins: list[list[int]], logits: mx.array) -> Work:
         """Sample every position of the verifying rows (`ins`: each row's inputs, in `verify`'s

@@ -98,7 +98,10 @@ def test_random_schedules_with_aborts_stops_and_prefixes_match(model, seed, spre
     jobs[2].prefix = rng.randrange(1, len(jobs[2].prompt))
     seen: dict = {}
     ours = drive(model, spec_runner(SpecConfig(max_tokens=k), seen), jobs, max_running=rows)
-    assert_same(ours, drive(model, Runner, jobs, max_running=rows))
+    assert_same(ours[1:], drive(model, Runner, jobs, max_running=rows)[1:])
+    # The abort lands at a step; with several tokens a step the job may have ended before it.
+    assert ours[0].tokens == reference[0].tokens[:len(ours[0].tokens)]
+    assert ours[0].ending == "abort" or ours[0].ending == reference[0].ending and ours[0].tokens == reference[0].tokens
     assert ours[1].ending in ("stop", "length") and (ours[1].ending == "length" or ours[1].tokens[-1] in jobs[1].stop)
     assert counts(seen["runner"])[0] > 0
 
@@ -217,22 +220,26 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     assert PromptLookup(1, 3).propose([4, 4], 5) == [4]  # only what is known
 
 
-def test_adaptive_k_grows_on_acceptance_and_stops_when_it_does_not_pay():
+def test_adaptive_k_follows_acceptance_and_the_floor_and_backs_off_when_it_does_not_pay():
     a = Adaptive(8)
-    assert a.budget() == 2
-    a.record(2, 2)
-    assert a.budget() == 4
-    a.record(4, 1)
-    assert a.budget() == 2
+    assert a.budget(0.1) >= 2  # a prior of 0.6: 0.6**4 = 0.13
     for _ in range(6):
-        a.record(a.budget() or 1, 0)
-    assert a.budget() == 0 and a.waiting
-    while a.waiting:
-        assert a.budget() == 0
-    assert a.budget() == 1  # a probe
-    a.record(1, 0)
+        a.record(8, 8)
+    assert a.budget(0.1) == 8 and a.budget(0.5) == 8  # all accepted: q near 1
+    high = Adaptive(8)
+    for _ in range(6):
+        high.record(4, 2)  # q = 2/3
+    assert high.budget(0.1) == 5 and high.budget(0.4) == 2  # the largest j with q**j >= floor
+    low = Adaptive(8)
+    for _ in range(6):
+        low.record(1, 0)
+    assert low.budget(0.1) == 0 and low.waiting
+    while low.waiting:
+        assert low.budget(0.1) == 0
+    assert low.budget(0.1) == 1  # a probe
+    low.record(1, 0)
     waited = 0
-    while a.budget() == 0:
+    while low.budget(0.1) == 0:
         waited += 1
     assert waited > 8  # backed off longer the second time
 
