@@ -1,5 +1,6 @@
 """Speculative decoding side by side: the engine in process with `engine.speculative` off and on,
-one stream and N concurrent, on a code-edit workload and on random text, in one run.
+one stream and N concurrent (a closed loop of --per-level x N requests), on a code-edit workload
+and on random text, in one run.
 
     python -m benchmarks.speculative [MODEL_DIR] [--concurrency 1,8,32] [--max-tokens 300]
         [--repeats 1] [--spec '{"max_tokens": 8}'] [--quick]
@@ -112,11 +113,19 @@ async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) ->
     return out
 
 
-async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, Any]:
-    """All `prompts` at once (as many in flight as prompts): output tokens/s over the whole level."""
+async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str, concurrency: int) -> dict[str, Any]:
+    """`prompts` in a closed loop, at most `concurrency` in flight (a new one as soon as one ends):
+    output tokens/s over the whole level. (All at once and waiting for the last would time the
+    slowest request: speculation that speeds the others would only leave the batch smaller.)"""
     runner = (await engine.call(lambda e: e.status()))["runner"]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, p: list[int]) -> list[int]:
+        async with gate:
+            return await _one(engine, p, max_tokens, f"{tag}-{i}")
+
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(_one(engine, p, max_tokens, f"{tag}-{i}") for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     duration = time.perf_counter() - t0
     after = (await engine.call(lambda e: e.status()))["runner"]
     proposed = after.get("spec_proposed_tokens", 0) - runner.get("spec_proposed_tokens", 0)
@@ -127,7 +136,7 @@ async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
 
 
 def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int, spec: Any,
-        workloads: Sequence[str], max_running: int | None) -> dict[str, Any]:
+        workloads: Sequence[str], max_running: int | None, per_level: int = 2) -> dict[str, Any]:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from benchmarks.bare_loop import chat_prompts
@@ -148,14 +157,14 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
         for workload in workloads:
             make = WORKLOADS[workload]
             for name, engine in engines.items():  # the shared prefix cached, kernels warm
-                await level(engine, chat_prompts(tokenizer, [make(10_000)]), 8, f"warm-{workload}-{name}")
+                await level(engine, chat_prompts(tokenizer, [make(10_000)]), 8, f"warm-{workload}-{name}", 1)
             for c in concurrencies:
-                prompts = chat_prompts(tokenizer, [make(i) for i in range(c)])
+                prompts = chat_prompts(tokenizer, [make(i) for i in range(per_level * c)])
                 row: dict[str, Any] = {"off": [], "on": []}
                 for r in range(repeats):
                     order = ("off", "on") if r % 2 == 0 else ("on", "off")
                     for name in order:
-                        row[name].append(await level(engines[name], prompts, max_tokens, f"{workload}-{c}-{r}-{name}"))
+                        row[name].append(await level(engines[name], prompts, max_tokens, f"{workload}-{c}-{r}-{name}", c))
                 off = max(x["tok_s"] for x in row["off"])
                 on = max(x["tok_s"] for x in row["on"])
                 same = all(a["outputs"] == b["outputs"] for a, b in zip(row["off"], row["on"]))
@@ -165,7 +174,8 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                     "workload": workload, "concurrency": c, "off_tok_s": round(off, 2), "on_tok_s": round(on, 2),
                     "ratio": round(on / off, 3), "same_tokens": same, "proposed": proposed, "accepted": accepted,
                     "accept_rate": round(accepted / proposed, 3) if proposed else None,
-                    "tokens_per_request": round(row["on"][0]["tokens"] / c, 1), "runner": row["on"][0]["kind"]}
+                    "tokens_per_request": round(row["on"][0]["tokens"] / len(prompts), 1),
+                    "runner": row["on"][0]["kind"]}
                 print(_line(results[f"{workload}/{c}"]), flush=True)
         for engine in engines.values():
             await engine.shutdown(drain_s=0)
@@ -192,12 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--spec", default="auto", help='the "on" setting: auto or a YAML/JSON mapping')
     p.add_argument("--workloads", default="code-edit,random")
     p.add_argument("--max-running", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="1 and 8 concurrent, 160 tokens (the 2-core CPU box)")
+    p.add_argument("--per-level", type=int, default=2, help="requests per level, in units of its concurrency")
+    p.add_argument("--quick", action="store_true", help="1 and 8 concurrent, 128 tokens (the 2-core CPU box)")
     args = p.parse_args(argv)
     concurrencies = [1, 8] if args.quick else [int(c) for c in args.concurrency.split(",")]
-    max_tokens = 160 if args.quick else args.max_tokens
+    max_tokens = 128 if args.quick else args.max_tokens
     results = run(args.model, concurrencies, max_tokens, args.repeats, yaml.safe_load(args.spec),
-                  args.workloads.split(","), args.max_running)
+                  args.workloads.split(","), args.max_running, args.per_level)
     print(json.dumps({"model": args.model, "max_tokens": max_tokens, "spec": args.spec, "results": results}))
     return 0
 
