@@ -40,9 +40,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"engine.speculative.method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "draft":
-            # Not built: the draft-model path (lowest priority of issue 34) is not implemented yet.
-            raise ValueError('engine.speculative.method "draft" is not available yet; use "prompt_lookup"')
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError('engine.speculative: method "draft" needs draft_model (a model path), '
+                             "and draft_model needs method draft")
         if self.max_tokens < 1:
             raise ValueError("engine.speculative.max_tokens must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -188,8 +188,9 @@ class SpecState:
     adaptive: Adaptive
     proposed: int = 0  # tokens proposed and verified
     accepted: int = 0  # of those, accepted
-    drafts: list[int] | None = None  # the proposals of its step in flight
     undo: list[Any] | None = None  # per position, what to restore when it is rejected (processor/sampler states)
+    draft_cache: list[Any] | None = None  # method draft: the draft model's cache for this request
+    draft_fed: list[int] | None = None  # the tokens that cache covers
 
     def stats(self) -> dict[str, int]:
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted}

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress, Runner, logits_at
 from engine.sampling import Decoding
 from engine.slot_cache import Batch, SlotKV, flat_views, layer_shapes, supports_flat
+from engine.draft import DraftProposer, check_vocab, load_draft
 from engine.speculative import SpecConfig, accepted, new_state, resolve
 from engine.step_state import Slot, Work, merge
 from engine.step_sampling import first_token, process_logits, sample, sample_positions
@@ -96,6 +97,11 @@ class StepRunner:
         self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
             else resolve(config.speculative, self._on_cpu)
         self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
+        self._draft: DraftProposer | None = None
+        if self.speculative is not None and self.speculative.method == "draft":
+            draft = load_draft(self.speculative.draft_model, config.dtype, config.cpu_fast_paths)
+            check_vocab(draft, model)
+            self._draft = DraftProposer(draft, self.speculative.max_tokens)
         self._new_table()
 
     def _new_table(self) -> None:
@@ -249,7 +255,7 @@ class StepRunner:
             k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
             if not speculate or k <= 0:
                 continue
-            proposals = s.spec.lookup.propose(s.known, k)
+            proposals = self._draft.propose(s.spec, s.known, k) if self._draft else s.spec.lookup.propose(s.known, k)
             for process in s.decoding.logits_processors:
                 if proposals and hasattr(process, "admissible"):  # a grammar: cut at its first refusal
                     proposals = proposals[:process.admissible(s.known[-1], proposals)]

@@ -248,7 +248,7 @@ def test_speculative_settings_parse():
     assert EngineConfig().speculative == "auto"
     assert EngineConfig(speculative="off").speculative == "off"
     assert EngineConfig.from_dict({"speculative": {"max_tokens": 4}}).speculative == SpecConfig(max_tokens=4)
-    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes"):
+    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes", {"method": "draft"}, {"draft_model": "x"}):
         with pytest.raises(ValueError):
             parse_speculative(bad)
     assert StepRunner.__name__ and EngineConfig(speculative=False).speculative == "off"
@@ -353,3 +353,55 @@ def test_metrics_and_admin_requests_show_proposed_and_accepted_tokens(engines):
     text = IngressMetrics().render(run(on.call(lambda e: e.status())))
     assert 'pomona_engine_runner{kind="spec_accepted_tokens"}' in text
     assert 'pomona_engine_runner{kind="spec_proposed_tokens"}' in text
+
+
+# -- draft-model proposals ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    """A second tiny llama with the same tokenizer and other weights: a draft that is often wrong."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_draft_model_proposals_match_without_speculation(model, tiny_model_dir, other_model_dir, which):
+    """The draft the model itself (its proposals stand, but where the table's and mlx-lm's
+    cache's logits tie) and a draft with other weights (mostly rejected): the same tokens as
+    BatchGenerator either way, with arrivals, an abort, a stop token and a cached prefix."""
+    from test_step_runner import random_jobs
+
+    path = tiny_model_dir if which == "same" else other_model_dir
+    spec = SpecConfig(method="draft", draft_model=str(path), max_tokens=4)
+    jobs = random_jobs(model.args.vocab_size, seed=21, n=6, spread=15)
+    reference = drive(model, Runner, jobs)
+    jobs[2].stop = (reference[2].tokens[len(reference[2].tokens) // 2],)
+    jobs[3].prefix = len(jobs[3].prompt) // 2
+    seen: dict = {}
+    ours = drive(model, spec_runner(spec, seen), jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    proposed, taken = counts(seen["runner"])
+    assert proposed > 0
+    if which == "same":
+        assert taken > 0.8 * proposed
+    else:
+        assert taken < proposed
+
+
+def test_a_draft_proposes_after_a_rejection_what_a_fresh_draft_would(model):
+    """The draft's cache drops what it consumed past the accepted tokens: after proposals that were
+    partly rejected, its next proposals equal those of a draft fed the known tokens afresh."""
+    from engine.draft import DraftProposer
+    from engine.speculative import new_state
+
+    rng = random.Random(3)
+    known = [rng.randrange(1, model.args.vocab_size) for _ in range(30)]
+    proposer, state = DraftProposer(model, 6), new_state(SPEC)
+    first = proposer.propose(state, known, 6)
+    assert len(first) == 6
+    known += first[:2] + [(first[2] + 1) % model.args.vocab_size]  # two accepted, then another token
+    again = proposer.propose(state, known, 6)
+    assert again == DraftProposer(model, 6).propose(new_state(SPEC), known, 6)
+    known += again  # all accepted (and the last one sampled): nothing to trim, one token to catch up
+    assert proposer.propose(state, known, 3) == DraftProposer(model, 6).propose(new_state(SPEC), known, 3)
