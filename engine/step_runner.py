@@ -44,6 +44,7 @@ log = logging.getLogger("pomona.engine")
 # building it (H200, 1B: 4.3 ms for 1 row, 7.6 ms for 32): positions are nearly free until hundreds.
 SPEC_FIXED_POSITIONS_CPU = 8
 SPEC_FIXED_POSITIONS_GPU = 256
+SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
 SPEC_MIN_FLOOR = 0.1  # a verifying step does not overlap the previous one: some floor on any backend
 _told: set[str] = set()  # fallback reasons already logged
 
@@ -64,6 +65,19 @@ def make_runner(model: Any, config: EngineConfig) -> "StepRunner | Runner":
         _told.add(reason)
         log.warning("engine_step pomona cannot run this model: %s; using mlx-lm's BatchGenerator", reason)
     return Runner(model, config)
+
+
+def width_groups(slots: list[Slot], widths: list[int]) -> list[list[Slot]]:
+    """Rows sorted by width, cut where a row is more than twice as wide as its group's first (so
+    padding at most doubles a group) into at most SPEC_PARTS groups."""
+    groups: list[list[Slot]] = []
+    first = 0
+    for s, w in zip(slots, widths):
+        if not groups or (w > 2 * first and len(groups) < SPEC_PARTS):
+            groups.append([])
+            first = w
+        groups[-1].append(s)
+    return groups
 
 
 def unsupported(model: Any, config: EngineConfig) -> str | None:
@@ -360,16 +374,17 @@ class StepRunner:
             inputs.append(decode_inputs)
             at += [(0, i) for i in range(batch.count)]
         start = sum(b.count for b in batches)
-        # The verifying rows are one part: each its last token and its proposals, padded to the
-        # longest (written past the row's length, overwritten later). One part rather than one
-        # per row: on the 2-core box each part's rope, writes and attention cost a few ms a step
-        # whatever its tokens.
-        if verify:
-            group = self._verify_batch(list(verify), [len(p) + 1 for p in verify.values()])
+        # The verifying rows go in a few parts, each its rows' last tokens and proposals padded to
+        # its longest (written past each row's length, overwritten later): rows of like widths
+        # together (`width_groups`), since on a CPU a padded position costs a real one and each
+        # part's rope, writes and attention cost a few ms a step whatever its tokens.
+        verify = dict(sorted(verify.items(), key=lambda item: len(item[1])))
+        for group_slots in width_groups(list(verify), [len(p) + 1 for p in verify.values()]):
+            group = self._verify_batch(group_slots, [len(verify[s]) + 1 for s in group_slots])
             batches.append(group)
-            inputs.append(mx.array([x for s, p in verify.items() for x in self._padded(s, p, group.tokens)],
+            inputs.append(mx.array([x for s in group_slots for x in self._padded(s, verify[s], group.tokens)],
                                    dtype=mx.int32))
-            at += [(0, start + b * group.tokens + j) for b, p in enumerate(verify.values()) for j in range(len(p) + 1)]
+            at += [(0, start + b * group.tokens + j) for b, s in enumerate(group_slots) for j in range(len(verify[s]) + 1)]
             start += group.count * group.tokens
         ending = []
         for s, n in chunks:
