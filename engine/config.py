@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from cache_tiers.config import CacheConfig
+from engine.speculative import SpecConfig, parse_speculative
 
 
 CPU_PREFILL_CHUNK = 256
@@ -81,6 +82,12 @@ class EngineConfig:
     checkpoint_every: int | str | None = "auto"
     memory_budget_bytes: int | None = None  # one account for running KV + the RAM cache tier
     cache: CacheConfig = CacheConfig()
+    # Speculative decoding in the own step (engine/speculative.py): "off", "auto" or a mapping
+    # (method: prompt_lookup | draft, max_tokens: proposals a row verifies per step, ngram_max,
+    # ngram_min, draft_model: a same-tokenizer model's path for method draft).
+    # "auto": prompt lookup where it was measured to pay (the CPU, docs/measurements.md) and on GPUs
+    # until measured there. Not on ring tables (max_kv_size) nor on mlx-lm's BatchGenerator.
+    speculative: str | SpecConfig = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -107,6 +114,7 @@ class EngineConfig:
         if self.direct_first_token is not None and self.direct_first_token != "auto" and (
                 not isinstance(self.direct_first_token, int) or self.direct_first_token < 1):
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
+        object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
 

@@ -92,6 +92,7 @@ class GrammarConstraint:
         self._started = False
         self._allowed: np.ndarray | None = None  # per model vocabulary, made at the first call
         self._metal: bool | None = None
+        self._consumed = 0  # tokens the matcher has consumed (what `restore` rolls back by)
 
     @property
     def matcher(self) -> LLMatcher:
@@ -114,8 +115,41 @@ class GrammarConstraint:
             if token == self._markers[0]:  # the model chose to reason first
                 self._thinking = True
                 return
-        if not self._matcher.consume_token(token):
+        if self._matcher.consume_token(token):
+            self._consumed += 1
+        else:
             log.warning("grammar matcher refused token %d: %s", token, self._matcher.get_error())
+
+    # -- speculative steps (engine/step_runner.py): positions that may be rejected ---------------
+    def snapshot(self) -> tuple[bool, bool, bool, int]:
+        """The state before a call, for `restore` when the call's position is rejected."""
+        return self._started, self._thinking, self._may_think, self._consumed
+
+    def restore(self, state: tuple[bool, bool, bool, int]) -> None:
+        """Back to `snapshot`'s state: the matcher rolls back the tokens consumed since."""
+        self._started, self._thinking, self._may_think, consumed = state
+        if self._consumed > consumed:
+            self._matcher.rollback(self._consumed - consumed)
+        self._consumed = consumed
+
+    def admissible(self, last: int, proposals: list[int]) -> int:
+        """How many of `proposals` (to follow `last`, the token the next call consumes) the grammar
+        allows in a row: a step verifies only those, since the calls for the positions after a
+        forbidden token would feed the matcher a token it refuses."""
+        state = self.snapshot()
+        n = 0
+        try:
+            if self._started:
+                self._advance(last)
+            for token in proposals:
+                free = self._thinking or (self._may_think and token == self._markers[0])
+                if not free and (self._matcher.is_error() or self._matcher.validate_tokens([token]) != 1):
+                    break
+                self._advance(token)
+                n += 1
+        finally:
+            self.restore(state)
+        return n
 
     def _apply(self, logits: mx.array) -> mx.array:
         fill_next_token_bitmask(self._matcher, self._bitmask)

@@ -345,7 +345,7 @@ class Engine:
 
     def running_status(self) -> list[dict]:
         now = self._clock()
-        return [s.describe(now) for s in self.seqs.values()]
+        return [{**s.describe(now), **self.runner.speculation(s.request_id)} for s in self.seqs.values()]
 
     def status(self) -> dict[str, Any]:
         """Counters and gauges for the loop to publish (read on the MLX thread, between steps)."""

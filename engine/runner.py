@@ -232,6 +232,10 @@ class Runner:
     def counters(self) -> dict[str, Any]:
         return {"kind": "mlx_lm"}
 
+    def speculation(self, request_id: str) -> dict[str, int]:
+        """No speculation on mlx-lm's BatchGenerator (engine/step_runner.py has it)."""
+        return {}
+
     def close(self) -> None:
         self._generator.close()
 

@@ -57,16 +57,25 @@ def _shared_sampler(temperature: float, top_p: float, top_k: int, min_p: float) 
     return sample
 
 
+class SeededSampler:
+    """A sampler with its own random key, so a seed reproduces the text whatever else is batched.
+    The key is public: a speculative step draws for positions that may be rejected and puts the
+    key back to where the accepted draws left it, so a seed gives the same text with speculation
+    on and off."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.key = mx.random.key(params.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        p = self.params
+        logprobs = _truncate(logprobs, p.top_p, p.min_p, p.top_k)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
+
+
 def _seeded_sampler(params: SamplingParams) -> Sampler:
-    """A sampler with its own random key, so a seed reproduces the text whatever else is batched."""
-    state = {"key": mx.random.key(params.seed)}
-
-    def sample(logprobs: mx.array) -> mx.array:
-        logprobs = _truncate(logprobs, params.top_p, params.min_p, params.top_k)
-        state["key"], sub = mx.random.split(state["key"])
-        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
-
-    return sample
+    return SeededSampler(params)
 
 
 def make_request_sampler(params: SamplingParams) -> Sampler:

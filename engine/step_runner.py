@@ -28,12 +28,24 @@ from engine.config import EngineConfig
 from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress, Runner, logits_at
 from engine.sampling import Decoding
 from engine.slot_cache import Batch, SlotKV, flat_views, layer_shapes, supports_flat
+from engine.draft import DraftProposer, check_vocab, load_draft
+from engine.speculative import SpecConfig, accepted, new_state, resolve
 from engine.step_state import Slot, Work, merge
-from engine.step_sampling import first_token, process_logits, sample
+from engine.step_sampling import first_token, process_logits, sample, sample_positions
 from engine.slots import (MIN_PREFILL_TOKENS, POSITION_BLOCK_CPU, POSITION_BLOCK_GPU, SlotTable, StallBudget,
                           plan_prefill, round_up, row_bucket)
 
 log = logging.getLogger("pomona.engine")
+
+# What a step costs apart from its positions, in positions (the acceptance floor of a proposal,
+# `StepRunner._proposals`). The 2-core box, SmolLM2-135M float32: a decode step of one row ~60 ms,
+# each further position (a decoding row or a verified proposal) ~5-6 ms (8 rows ~118 ms, 8 rows
+# plus 8 proposals ~153-200 ms): about 8-10 positions' worth. A GPU step is bound by the host
+# building it (H200, 1B: 4.3 ms for 1 row, 7.6 ms for 32): positions are nearly free until hundreds.
+SPEC_FIXED_POSITIONS_CPU = 8
+SPEC_FIXED_POSITIONS_GPU = 256
+SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
+SPEC_MIN_FLOOR = 0.1  # a verifying step does not overlap the previous one: some floor on any backend
 _told: set[str] = set()  # fallback reasons already logged
 
 
@@ -53,6 +65,19 @@ def make_runner(model: Any, config: EngineConfig) -> "StepRunner | Runner":
         _told.add(reason)
         log.warning("engine_step pomona cannot run this model: %s; using mlx-lm's BatchGenerator", reason)
     return Runner(model, config)
+
+
+def width_groups(slots: list[Slot], widths: list[int]) -> list[list[Slot]]:
+    """Rows sorted by width, cut where a row is more than twice as wide as its group's first (so
+    padding at most doubles a group) into at most SPEC_PARTS groups."""
+    groups: list[list[Slot]] = []
+    first = 0
+    for s, w in zip(slots, widths):
+        if not groups or (w > 2 * first and len(groups) < SPEC_PARTS):
+            groups.append([])
+            first = w
+        groups[-1].append(s)
+    return groups
 
 
 def unsupported(model: Any, config: EngineConfig) -> str | None:
@@ -83,9 +108,11 @@ def prefill_shape(tokens: int, start: int, block: int) -> tuple[int, int]:
 
 
 class StepRunner:
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(self, model: Any, config: EngineConfig, on_cpu: bool | None = None) -> None:
+        """`on_cpu`: which backend's step to build (None: the default device's); False on a CPU runs
+        the GPU's step there (padded, bucketed shapes), which tests use to check it."""
         self._model = model
-        self._on_cpu = mx.default_device() == mx.cpu
+        self._on_cpu = mx.default_device() == mx.cpu if on_cpu is None else on_cpu
         self._config = config = config.for_backend(self._on_cpu)
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
@@ -98,6 +125,17 @@ class StepRunner:
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
         self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0, "rows_reused": 0}
         self._shapes_seen: set[tuple[int, ...]] = set()
+        # Speculation (engine/speculative.py). Not on ring tables (max_kv_size): a rejected
+        # position's write lands in a ring slot that still holds a position the row's later
+        # tokens attend to, and the table keeps no copy to roll back to.
+        self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
+            else resolve(config.speculative, self._on_cpu)
+        self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
+        self._draft: DraftProposer | None = None
+        if self.speculative is not None and self.speculative.method == "draft":
+            draft = load_draft(self.speculative.draft_model, config.dtype, config.cpu_fast_paths)
+            check_vocab(draft, model)
+            self._draft = DraftProposer(draft, self.speculative.max_tokens)
         self._new_table()
 
     def _new_table(self) -> None:
@@ -153,7 +191,8 @@ class StepRunner:
             self._table.release(row)
             raise
         self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
-                                        list(tokens), list(cached), len(cached))
+                                        list(tokens), list(cached), len(cached),
+                                        spec=new_state(self.speculative) if self.speculative else None)
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,
@@ -206,6 +245,11 @@ class StepRunner:
     def cache_nbytes(self) -> int:
         return self._kv.nbytes()
 
+    def speculation(self, request_id: str) -> dict[str, int]:
+        """A running request's proposed and accepted tokens ({} when it does not speculate)."""
+        slot = self._slots.get(request_id)
+        return slot.spec.stats() if slot is not None and slot.spec is not None else {}
+
     def counters(self) -> dict[str, Any]:
         decode_s = self._stall.decode_s  # moving average of steps that only decode: the steady decode rate
         return {"kind": "pomona", **self._counts, "shapes": len(self._shapes_seen),
@@ -218,19 +262,63 @@ class StepRunner:
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         """Start this step, then read back the previous one (its tokens were computed meanwhile)."""
         started = time.perf_counter()
-        work = self._start()
-        built = time.perf_counter()
         read = self._inflight
-        generated = self._read(read)
-        ended = time.perf_counter()
-        self._counts["build_s"] += built - started
-        self._counts["wait_s"] += ended - built
+        if self._reads_first():
+            # Proposals follow a row's last token, which the host must know: read back first (the
+            # step no longer overlaps building the next one; on a CPU it never did much).
+            self._inflight = None
+            generated = self._read(read)
+            built = time.perf_counter()
+            work = self._start(speculate=True)
+            ended = time.perf_counter()
+            self._counts["wait_s"] += built - started
+            self._counts["build_s"] += ended - built
+        else:
+            work = self._start()
+            built = time.perf_counter()
+            generated = self._read(read)
+            ended = time.perf_counter()
+            self._counts["build_s"] += built - started
+            self._counts["wait_s"] += ended - built
         self._time(work, read, ended - started, ended)
         self._inflight = work
         return (work.progress if work else []), generated
 
-    def _start(self) -> Work | None:
+    def _reads_first(self) -> bool:
+        """Whether this step may verify proposals: a decoding row proposes, or the step in flight
+        verified some (its rows' lengths are known only once read)."""
+        if self.speculative is None:
+            return False
+        if self._inflight is not None and self._inflight.verified:
+            return True
+        return any(not s.spec.adaptive.waiting for s in self._slots.values() if not s.prefilling)
+
+    def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
+        """Each decoding row's proposals for this step (rows with none are left out). Every row's
+        controller counts the step, also when this step cannot speculate."""
+        out: dict[Slot, list[int]] = {}
+        if self.speculative is None:
+            return out
+        # The acceptance chance a proposed position must have to pay for itself: it costs about
+        # 1 / (rows + fixed) of the step (`fixed`: the step's cost not per position, in positions),
+        # and the step emits about `rows` tokens.
+        fixed = SPEC_FIXED_POSITIONS_CPU if self._on_cpu else SPEC_FIXED_POSITIONS_GPU
+        floor = max(SPEC_MIN_FLOOR, len(decode) / (len(decode) + fixed))
+        for s in decode:
+            k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
+            if not speculate or k <= 0:
+                continue
+            proposals = self._draft.propose(s.spec, s.known, k) if self._draft else s.spec.lookup.propose(s.known, k)
+            for process in s.decoding.logits_processors:
+                if proposals and hasattr(process, "admissible"):  # a grammar: cut at its first refusal
+                    proposals = proposals[:process.admissible(s.known[-1], proposals)]
+            if proposals:
+                out[s] = proposals
+        return out
+
+    def _start(self, speculate: bool = False) -> Work | None:
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
+        verify = self._proposals(decode, speculate)
         waiting = [(s.request_id, len(s.rest) - s.fed) for s in self._slots.values() if s.prefilling]
         stall = self._stall.tokens(len(decode))
         if stall is None and decode and self._stall.ratio is not None:
@@ -240,10 +328,17 @@ class StepRunner:
         if not decode and not chunks:
             return None
         with mx.stream(self._stream):
-            if chunks and self._flat:
-                work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks])
+            if verify and not chunks and self._flat:
+                # Not waited for here: a verifying step's attention stays lazy (CpuAttention takes
+                # MLX's for a few queries), so the step overlaps what the engine does meanwhile.
+                work = self._flat_step([s for s in decode if s not in verify], [], verify)
+            elif chunks and self._flat:
+                work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
             else:
-                work = self._decode(decode) if decode else None
+                if verify:  # every decoding row in one forward, padded to the most proposals
+                    work = self._verify_group(decode, verify)
+                else:
+                    work = self._decode(decode) if decode else None
                 if work is not None and chunks:
                     # Started before the prefill forward is built: that forward writes the same layer
                     # arrays, in place only once nothing still reads the decode's views of them.
@@ -287,7 +382,8 @@ class StepRunner:
             s.sampled += 1
         return Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
 
-    def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+    def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
+                         verify: dict[Slot, list[int]]) -> Work:
         """`_flat_step`, run to its end here and timed for the stall budget. On a CPU a step's
         forward mostly runs while it is built (the fast paths evaluate each layer's attention), so
         it cannot overlap the previous one anyway; waiting for that one first makes the time this
@@ -295,24 +391,41 @@ class StepRunner:
         if self._inflight is not None:
             mx.eval(self._inflight.tokens)
         started = time.perf_counter()
-        work = self._flat_step(decode, chunks)
+        work = self._flat_step([s for s in decode if s not in verify], chunks, verify)
         mx.eval(work.tokens, work.logprobs, self._next_input, self._kv.arrays())
-        self._stall.record(time.perf_counter() - started, work.prefill_tokens, work.decoding)
+        if not verify:  # a verifying step is neither a plain decode nor priced as prompt tokens
+            self._stall.record(time.perf_counter() - started, work.prefill_tokens, work.decoding)
         return work
 
-    def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]]) -> Work:
+    def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
+                   verify: dict[Slot, list[int]] | None = None) -> Work:
         """The decode rows and every prompt chunk as one flat forward (the CPU fast-path llama's
         `flat_attention`): the weights are read and every projection runs once for all of them.
         On the 2-core box a forward costs ~one pass over the weights whatever its rows, so a
         chunk in a forward of its own nearly doubled a decoding step."""
-        self._grow(self._table.span, max(s.length + n + 1 for s, n in chunks))
+        verify = verify or {}
+        self._grow(self._table.span, max([s.length + n + 1 for s, n in chunks]
+                                         + [s.length + len(p) + 2 for s, p in verify.items()]))
         batches, inputs, at = [], [], []
         if decode:
             batch, decode_inputs = self._decode_batch(decode)
             batches.append(batch)
             inputs.append(decode_inputs)
             at += [(0, i) for i in range(batch.count)]
-        ending, start = [], sum(b.count for b in batches)
+        start = sum(b.count for b in batches)
+        # The verifying rows go in a few parts, each its rows' last tokens and proposals padded to
+        # its longest (written past each row's length, overwritten later): rows of like widths
+        # together (`width_groups`), since on a CPU a padded position costs a real one and each
+        # part's rope, writes and attention cost a few ms a step whatever its tokens.
+        verify = dict(sorted(verify.items(), key=lambda item: len(item[1])))
+        for group_slots in width_groups(list(verify), [len(p) + 1 for p in verify.values()]):
+            group = self._verify_batch(group_slots, [len(verify[s]) + 1 for s in group_slots])
+            batches.append(group)
+            inputs.append(mx.array([x for s in group_slots for x in self._padded(s, verify[s], group.tokens)],
+                                   dtype=mx.int32))
+            at += [(0, start + b * group.tokens + j) for b, s in enumerate(group_slots) for j in range(len(verify[s]) + 1)]
+            start += group.count * group.tokens
+        ending = []
         for s, n in chunks:
             batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
             inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
@@ -324,11 +437,56 @@ class StepRunner:
         self._counts["prefill_tokens"] += sum(n for _, n in chunks)
         self._counts["forwards"] += 1
         logits = logits_at(self._model, mx.concatenate(inputs)[None], flat_views(batches), at)
-        work = self._decoded(decode, logits[:batches[0].count], inputs[0]) if decode else None
+        count = batches[0].count if decode else 0
+        work = self._decoded(decode, logits[:count], inputs[0]) if decode else None
+        if verify:
+            width = sum(len(p) + 1 for p in verify.values())
+            checked = self._verified(verify, [s.known[-1:] + p for s, p in verify.items()], logits[count:count + width])
+            work = checked if work is None else merge(work, checked)
         self._advance(chunks)
         firsts = [(s, first_token(s, logits[len(at) - len(ending) + j][None])) for j, s in enumerate(ending)]
         pre = self._prefilled(chunks, firsts)
         return pre if work is None else merge(work, pre)
+
+    def _verify_group(self, decode: list[Slot], verify: dict[Slot, list[int]]) -> Work:
+        """Every decoding row in one forward of its last token and its proposals (none for some),
+        padded to the longest: the padding writes past each row's length, where the row's next
+        tokens overwrite it. On a GPU the width is always the most proposals a row may make, so
+        the widths do not multiply the shapes compiled."""
+        ins = [s.known[-1:] + verify.get(s, []) for s in decode]
+        batch = self._verify_batch(decode, [len(x) for x in ins])
+        self._shapes_seen.add((len(decode), batch.tokens, batch.keys_len, self._kv.capacity))
+        self._counts["forwards"] += 1
+        inputs = mx.array([self._padded(s, verify.get(s, []), batch.tokens) for s in decode], dtype=mx.int32)
+        logits = logits_at(self._model, inputs, batch.views(), [(b, j) for b, x in enumerate(ins) for j in range(len(x))])
+        return self._verified({s: verify.get(s, []) for s in decode}, ins, logits)
+
+    def _verify_batch(self, slots: list[Slot], counts: list[int]) -> Batch:
+        """Rows feeding their last token and proposals (`counts` tokens each) at their lengths,
+        padded to the longest; on a GPU to the most a row may feed (one shape whatever the
+        proposals), with the key length bucketed as a decode's."""
+        width = max(counts) if self._on_cpu else self.speculative.max_tokens + 1
+        self._grow(self._table.span, max(s.length + width + 1 for s in slots))
+        keys_len = self._keys_len(max(s.length + width for s in slots))
+        return Batch(self._kv, [s.length for s in slots], width, [s.row for s in slots], keys_len, counts)
+
+    @staticmethod
+    def _padded(s: Slot, proposals: list[int], width: int) -> list[int]:
+        return s.known[-1:] + proposals + [0] * (width - 1 - len(proposals))
+
+    def _verified(self, verify: dict[Slot, list[int]], ins: list[list[int]], logits: mx.array) -> Work:
+        """Sample every position of the verifying rows (`ins`: each row's inputs, in `verify`'s
+        order; `logits` one row per input); acceptance is decided when the step is read back."""
+        rows, at, outputs = [], 0, []
+        for (s, proposals), inputs in zip(verify.items(), ins):
+            rows.append((s, inputs, logits[at:at + len(inputs)]))
+            outputs.append((s, at))
+            at += len(inputs)
+            s.length += len(inputs)  # rolled back at the read for the rejected ones
+            s.sampled += len(inputs)
+        tokens, logprobs = sample_positions(rows)
+        self._counts["spec_steps"] += 1
+        return Work(outputs, tokens, logprobs, len(verify), 0, verified=dict(verify))
 
     def _keys_len(self, end: int) -> int:
         """A forward's key length: on a GPU bucketed (each new shape is a compile), on a CPU exact,
@@ -404,11 +562,54 @@ class StepRunner:
         if work is None:
             return []
         tokens = work.tokens.tolist()
-        out = []
+        out: list[Generated] = []
+        feed: list[tuple[int, int]] = []  # (row, token) a verifying row feeds next
         for slot, i in work.outputs:
-            if self._slots.get(slot.request_id) is slot:  # else finished or removed since
+            if self._slots.get(slot.request_id) is not slot:  # finished or removed since
+                continue
+            proposals = work.verified.get(slot)
+            if proposals is None:
                 out.append(self._read_one(slot, tokens[i], work.logprobs[i]))
+                continue
+            sampled = tokens[i:i + len(proposals) + 1]
+            taken = accepted(proposals, sampled)
+            self._settle(slot, proposals, taken)
+            for j in range(taken + 1):  # a run ends where the request does: later tokens are dropped
+                g = self._read_one(slot, sampled[j], work.logprobs[i + j])
+                out.append(g)
+                if g.finish_reason is not None:
+                    break
+            else:
+                feed.append((slot.row, sampled[taken]))
+        if feed:
+            self._next_input[mx.array([r for r, _ in feed], dtype=mx.int32)] = mx.array([t for _, t in feed],
+                                                                                         dtype=mx.int32)
         return out
+
+    def _settle(self, slot: Slot, proposals: list[int], taken: int) -> None:
+        """A verified row's outcome: the rejected positions' KV is dropped (the row's length rolls
+        back; later tokens overwrite it), and its processors, sampler key and context go back to
+        where the accepted positions left them."""
+        rejected = len(proposals) - taken
+        spec = slot.spec
+        if rejected:
+            slot.length -= rejected
+            slot.sampled -= rejected
+            if slot.decoding.logits_processors and slot.context is not None:
+                slot.context = slot.context[:slot.context.shape[0] - rejected]
+            states, key = spec.undo[taken + 1]
+            for process, state in zip(slot.decoding.logits_processors, states or ()):
+                if state is not None:
+                    process.restore(state)
+            if key is not None:
+                slot.decoding.sampler.key = key
+        spec.undo = None
+        if proposals:
+            spec.proposed += len(proposals)
+            spec.accepted += taken
+            spec.adaptive.record(len(proposals), taken)
+            self._counts["spec_proposed_tokens"] += len(proposals)
+            self._counts["spec_accepted_tokens"] += taken
 
     def _read_one(self, slot: Slot, token: int, logprobs: mx.array) -> Generated:
         slot.generated += 1

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from engine.runner import PromptProgress
 from engine.sampling import Decoding
+from engine.speculative import SpecState
 
 
 @dataclass(eq=False)
@@ -25,6 +26,7 @@ class Slot:
     sampled: int = 0  # output tokens sampled, in-flight ones included
     generated: int = 0  # output tokens read back
     context: mx.array | None = None  # prompt + outputs, for logits processors
+    spec: SpecState | None = None  # speculation (engine/speculative.py), None when off
 
     @property
     def prefilling(self) -> bool:
@@ -41,13 +43,17 @@ class Work:
     decoding: int
     prefill_tokens: int
     progress: list[PromptProgress] = field(default_factory=list)
-
+    # Rows that verified proposals (their last token and `proposals` fed): slot -> proposals; its
+    # output index is the first of len(proposals) + 1 sampled positions.
+    verified: dict[Slot, list[int]] = field(default_factory=dict)
 
 
 def merge(a: Work, b: Work) -> Work:
     """A decode step's work and its prefill chunks' (whose outputs index after the decode rows)."""
     shift = a.tokens.shape[0]
+    verified = {**a.verified, **b.verified}
     if not b.outputs:
-        return Work(a.outputs, a.tokens, a.logprobs, a.decoding, b.prefill_tokens, b.progress)
+        return Work(a.outputs, a.tokens, a.logprobs, a.decoding + b.decoding, b.prefill_tokens, b.progress, verified)
     return Work(a.outputs + [(s, i + shift) for s, i in b.outputs], mx.concatenate([a.tokens, b.tokens]),
-                 mx.concatenate([a.logprobs, b.logprobs], axis=0), a.decoding, b.prefill_tokens, b.progress)
+                mx.concatenate([a.logprobs, b.logprobs], axis=0), a.decoding + b.decoding, b.prefill_tokens,
+                b.progress, verified)

@@ -37,6 +37,9 @@ log = logging.getLogger("pomona.models")
 # quiet box: 4 queries 2.8 vs 4.7 ms, 24 queries 10.5 vs 59 ms at 8k keys); at one query the two are
 # within a millisecond and the MLX path avoids a synchronisation per layer.
 FAST_ATTENTION_MAX_QUERIES = 1
+# Queries per sequence up to which a short context (under FAST_SOFTMAX_MIN_KEYS keys) takes MLX's
+# attention too: a speculative step's verified proposals (engine/step_runner.py).
+FEW_QUERIES = 16
 # Keys from which a decode call takes the fast softmax; below, MLX's own SDPA. Measured on the
 # 2-core box, whole decode steps of the default model interleaved with mlx-lm's (fast / mlx-lm):
 # one sequence against 128 keys 1.07, 1,024 keys 1.08, 3,000 keys 0.81; eight against 256 keys 0.99.
@@ -192,7 +195,9 @@ class CpuAttention(llama.Attention):
         L = q.shape[2]
         if L <= FAST_ATTENTION_MAX_QUERIES and k.shape[2] >= FAST_SOFTMAX_MIN_KEYS:
             return attention(q, k, v, self.scale, mask)
-        if L <= FAST_ATTENTION_MAX_QUERIES:  # decode against a short context: MLX's own
+        if L <= FAST_ATTENTION_MAX_QUERIES or (L <= FEW_QUERIES and k.shape[2] < FAST_SOFTMAX_MIN_KEYS):
+            # decode, or a few queries (speculative verification) against a short context: MLX's
+            # own, which stays lazy (NumPy's evaluates every layer as it is built)
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         if q.dtype == mx.float32:  # a prefill chunk
             return prefill_attention(q, k, v, self.scale, mask)

@@ -390,11 +390,7 @@ def test_bounded_kv_direct_first_token_matches_the_batch(model):
 def gpu_shaped(model, config):
     """The own step as it runs on a GPU (bucketed shapes, padded prefill groups, no flat forward),
     run here on the CPU: MLX computes the same ops on either device."""
-    from engine.slots import POSITION_BLOCK_GPU
-
-    runner = StepRunner(model, config)
-    runner._on_cpu, runner._flat, runner._block = False, False, POSITION_BLOCK_GPU
-    return runner
+    return StepRunner(model, config, on_cpu=False)
 
 
 def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):

@@ -1,0 +1,202 @@
+"""Speculative decoding for the own step (engine/step_runner.py): what to propose, and how many.
+
+Imports no MLX, so the policy is tested with no model at all.
+
+A decoding row feeds its last token plus up to k proposed tokens in one forward; the step samples
+every position with the request's own sampler and keeps the proposals up to the first one that
+differs from what was sampled before it (`accepted`), plus that sample. For greedy requests that is
+exact. For sampled ones it is the speculative-sampling rule for a point-mass proposal: accepting
+proposal x when a draw y ~ p equals x happens with probability p(x), and otherwise the draw y is a
+sample of p with x removed and renormalised (P(y = z | y != x) = p(z) / (1 - p(x))), so the output
+has the distribution of sampling without speculation (tests/test_speculative.py checks it with a
+chi-squared test).
+
+Proposals come from prompt lookup: the request's own prompt and output, indexed by the n-grams that
+end at each position; the longest suffix n-gram seen before proposes the tokens that followed its
+latest earlier occurrence. Agents re-emit what their context holds (a file in an edit, quoted code,
+tool arguments), which this predicts with no second model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+METHODS = ("prompt_lookup", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`engine.speculative` as a mapping. `max_tokens`: most proposals a row verifies in a step;
+    `ngram_max`/`ngram_min`: the suffix lengths prompt lookup matches, longest first;
+    `draft_model`: the draft model's path (method "draft")."""
+
+    method: str = "prompt_lookup"
+    max_tokens: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"engine.speculative.method must be one of {METHODS}, got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError('engine.speculative: method "draft" needs draft_model (a model path), '
+                             "and draft_model needs method draft")
+        if self.max_tokens < 1:
+            raise ValueError("engine.speculative.max_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("engine.speculative needs 1 <= ngram_min <= ngram_max")
+
+
+def parse_speculative(value: Any) -> "str | SpecConfig":
+    """`off`, `auto` or a mapping (YAML) as the config keeps it: "off", "auto" or a SpecConfig."""
+    if value is None or value is False or value == "off":
+        return "off"
+    if value == "auto":
+        return "auto"
+    if isinstance(value, SpecConfig):
+        return value
+    if isinstance(value, Mapping):
+        return SpecConfig(**value)
+    raise ValueError('engine.speculative must be "off", "auto" or a mapping (method, max_tokens, ...)')
+
+
+# Where `auto` turns speculation on: only where it was measured to pay. Measured on the 2-core box
+# (docs/measurements.md, "Speculative decoding"): prompt lookup pays on the CPU. Not measured on a GPU
+# yet (the session's H200 time went to the prefix-cache work): off there until it is, since a step
+# that verifies gives up overlapping its build with the previous step, which a host-bound GPU step
+# relies on (`python -m benchmarks.speculative MODEL` on the device decides it).
+AUTO_ON_CPU = True
+AUTO_ON_GPU = False
+
+
+def resolve(value: "str | SpecConfig", on_cpu: bool) -> SpecConfig | None:
+    """The speculation a runner uses (None: off)."""
+    if value == "off":
+        return None
+    if value == "auto":
+        return SpecConfig() if (AUTO_ON_CPU if on_cpu else AUTO_ON_GPU) else None
+    return value  # type: ignore[return-value]
+
+
+def accepted(proposals: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many proposals stand: proposal j (fed at position j + 1) stands while the token sampled
+    at position j equals it. `sampled` has one more entry than `proposals` (the last position's)."""
+    n = 0
+    while n < len(proposals) and sampled[n] == proposals[n]:
+        n += 1
+    return n
+
+
+class PromptLookup:
+    """An index of a request's tokens by the n-grams ending before each position: n-gram -> the
+    position right after its latest occurrence. Built incrementally (`sync`), so a step costs a
+    few dictionary operations per row, not a scan of the context."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # positions i whose preceding n-grams are in the index
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Index every position up to len(tokens) - 1: the n-grams ending at the last token are not
+        indexed (its continuation is unknown), so a lookup of the suffix finds an earlier match."""
+        for i in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.ngram_min, min(self.ngram_max, i) + 1):
+                self._next[tuple(tokens[i - n:i])] = i
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix n-gram's latest earlier occurrence."""
+        if k <= 0:
+            return []
+        self.sync(tokens)
+        end = len(tokens)
+        for n in range(min(self.ngram_max, end), self.ngram_min - 1, -1):
+            at = self._next.get(tuple(tokens[end - n:end]))
+            if at is not None:
+                return list(tokens[at:min(at + k, end)])
+        return []
+
+
+class Adaptive:
+    """How many tokens a row proposes, from its recent acceptance and what a proposal costs.
+
+    `q` estimates the chance that a proposal stands given that the ones before it did (decayed
+    counts of accepted and tried positions), so proposal j stands with chance q**j. The step gives a
+    `floor`: the acceptance chance a proposed token needs to pay for the position it adds to the
+    forward (engine/step_runner.py: on a CPU a position costs about what a decoding row does, so
+    the floor rises with the batch; on a GPU a step's positions are nearly free). k is the largest
+    j with q**j >= floor (at most `limit`); when q falls under the floor, proposals stop for
+    `backoff` steps, doubling each time, then one probe. A request whose output is not in its
+    context ends up at 0."""
+
+    def __init__(self, limit: int, decay: float = 0.7, backoff: int = 8, max_backoff: int = 256) -> None:
+        self.limit = limit
+        self.decay = decay
+        self._accepted, self._tried = 1.2, 2.0  # a prior of 0.6 worth two positions
+        self._base_backoff = backoff
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._wait = 0  # steps left without proposals
+        self._probe = False
+
+    @property
+    def q(self) -> float:
+        return self._accepted / self._tried
+
+    @property
+    def waiting(self) -> bool:
+        return self._wait > 0
+
+    def budget(self, floor: float = 0.0) -> int:
+        """The k for this step (0 while backing off); counts a step."""
+        if self._wait > 0:
+            self._wait -= 1
+            self._probe = self._wait == 0
+            return 0
+        if self._probe:
+            return 1
+        q = self.q
+        if q < max(floor, 1e-6):
+            self._wait = self._backoff
+            self._backoff = min(self._max_backoff, 2 * self._backoff)
+            return 0
+        k, chance = 1, q * q
+        while k < self.limit and chance >= floor:
+            k += 1
+            chance *= q
+        return k
+
+    def record(self, proposed: int, taken: int) -> None:
+        if proposed <= 0:
+            return
+        tried = taken + (1 if taken < proposed else 0)
+        self._accepted = self.decay * self._accepted + taken
+        self._tried = self.decay * self._tried + tried
+        if self._probe:
+            self._probe = False
+            if taken:  # the context pays again: the next back-off starts short
+                self._backoff = self._base_backoff
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its lookup index, its k controller and its counters."""
+
+    lookup: PromptLookup
+    adaptive: Adaptive
+    proposed: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, accepted
+    undo: list[Any] | None = None  # per position, what to restore when it is rejected (processor/sampler states)
+    draft_cache: list[Any] | None = None  # method draft: the draft model's cache for this request
+    draft_fed: list[int] | None = None  # the tokens that cache covers
+
+    def stats(self) -> dict[str, int]:
+        return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted}
+
+
+def new_state(config: SpecConfig) -> SpecState:
+    return SpecState(PromptLookup(config.ngram_min, config.ngram_max), Adaptive(config.max_tokens))

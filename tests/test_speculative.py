@@ -1,0 +1,407 @@
+"""Speculative decoding in the own step (engine/speculative.py, engine/step_runner.py): the same
+greedy tokens, log-probabilities and endings as without it, whatever the proposals; the sampled
+acceptance rule keeps the target distribution; the policy pieces on their own."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine.config import EngineConfig
+from engine.runner import Runner
+from engine.sampling import make_decoding
+from engine.speculative import Adaptive, PromptLookup, SpecConfig, accepted, parse_speculative
+from engine.step_runner import StepRunner
+from engine.types import SamplingParams
+from modelio.cpu_llama import accelerate
+from test_step_runner import Job, assert_same, drive
+
+SPEC = SpecConfig(max_tokens=6)
+
+
+@pytest.fixture(scope="module", params=["mlx_lm", "cpu_fast"])
+def model(request, tiny_model_dir):
+    """mlx-lm's llama (verification in a padded forward of every decoding row) and the CPU
+    fast-path blocks (each verifying row a part of the flat forward)."""
+    loaded = mlx_lm.load(str(tiny_model_dir))[0]
+    if request.param == "cpu_fast":
+        assert accelerate(loaded) > 0
+    return loaded
+
+
+def spec_runner(spec=SPEC, seen: dict | None = None, on_cpu: bool | None = None):
+    seen = {} if seen is None else seen
+
+    def make(model, config):
+        runner = StepRunner(model, EngineConfig(**{**config.__dict__, "speculative": spec}), on_cpu=on_cpu)
+        seen["runner"] = runner
+        return runner
+    return make
+
+
+def plain(model, config):
+    return StepRunner(model, EngineConfig(**{**config.__dict__, "speculative": "off"}))
+
+
+_echoes: dict = {}
+
+
+def echo_jobs(model, seed: int, n: int = 6, spread: int = 20) -> list[Job]:
+    """Prompts that hold their own greedy continuation: a random start, what the model says after
+    it, and the start again, so prompt lookup proposes long runs that are mostly accepted (and
+    rejected where the context makes the model say something else)."""
+    rng = random.Random(seed)
+    vocab = model.args.vocab_size
+    starts = [[rng.randrange(1, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+    key = (id(model), seed, n)
+    if key not in _echoes:
+        _echoes[key] = drive(model, plain, [Job(s, 30) for s in starts])
+    said = _echoes[key]
+    return [Job(s + j.tokens + s, rng.randrange(5, 60), rng.randrange(0, spread)) for s, j in zip(starts, said)]
+
+
+def counts(runner) -> tuple[int, int]:
+    c = runner.counters()
+    return c["spec_proposed_tokens"], c["spec_accepted_tokens"]
+
+
+def test_echo_prompts_match_without_speculation_and_accept_most(model):
+    jobs = echo_jobs(model, seed=0)
+    seen: dict = {}
+    ours = drive(model, spec_runner(SPEC, seen), jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    proposed, taken = counts(seen["runner"])
+    assert proposed > 0 and taken > proposed * 0.3, (proposed, taken)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), spread=st.integers(1, 30), rows=st.sampled_from([2, 3, 8]),
+       k=st.sampled_from([1, 3, 8]))
+def test_random_schedules_with_aborts_stops_and_prefixes_match(model, seed, spread, rows, k):
+    """Echo prompts and random ones arriving at random steps; one aborted, one stopping on a token
+    it generates (inside an accepted run, mostly), some starting from a cached prefix."""
+    rng = random.Random(seed)
+    jobs = echo_jobs(model, seed % 3, n=4, spread=spread)
+    vocab = model.args.vocab_size
+    jobs += [Job([rng.randrange(1, vocab) for _ in range(rng.randrange(1, 120))], rng.randrange(1, 40),
+                 rng.randrange(0, spread)) for _ in range(2)]
+    rng.shuffle(jobs)
+    reference = drive(model, Runner, jobs, max_running=rows)
+    jobs[0].abort = jobs[0].arrive + rng.randrange(1, 8)
+    said = reference[1].tokens
+    jobs[1].stop = (said[len(said) * 2 // 3],)
+    jobs[2].prefix = rng.randrange(1, len(jobs[2].prompt))
+    seen: dict = {}
+    ours = drive(model, spec_runner(SpecConfig(max_tokens=k), seen), jobs, max_running=rows)
+    assert_same(ours[1:], drive(model, Runner, jobs, max_running=rows)[1:])
+    # The abort lands at a step; with several tokens a step the job may have ended before it.
+    assert ours[0].tokens == reference[0].tokens[:len(ours[0].tokens)]
+    assert ours[0].ending == "abort" or ours[0].ending == reference[0].ending and ours[0].tokens == reference[0].tokens
+    assert ours[1].ending in ("stop", "length") and (ours[1].ending == "length" or ours[1].tokens[-1] in jobs[1].stop)
+    assert counts(seen["runner"])[0] > 0
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_the_gpus_step_verifies_in_one_padded_forward_and_matches(model, k):
+    """The GPU's step run on the CPU: power-of-two rows, 256-position key buckets, and every
+    decoding row in one forward as wide as the most proposals a row may make."""
+    jobs = echo_jobs(model, seed=6, n=5, spread=10)
+    seen: dict = {}
+    ours = drive(model, spec_runner(SpecConfig(max_tokens=k), seen, on_cpu=False), jobs, max_running=8)
+    assert_same(ours, drive(model, Runner, jobs, max_running=8))
+    proposed, taken = counts(seen["runner"])
+    assert proposed > taken > 0
+
+
+def test_a_finished_requests_cache_holds_no_rejected_position(model):
+    """The cache handed back at the end covers exactly its tokens, with the keys a fresh prefill of
+    them gives (a rejected proposal's keys would differ where it was written)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    jobs = echo_jobs(model, seed=4, n=3)
+    seen: dict = {}
+    runner = spec_runner(SPEC, seen)(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4))
+    finals = {}
+    for i, j in enumerate(jobs):
+        params = SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=True)
+        runner.insert(str(i), j.prompt, [], None, make_decoding(params, len(j.prompt), []), j.max_tokens)
+    while len(runner):
+        for g in runner.step()[1]:
+            if g.finish_reason:
+                finals[g.request_id] = g
+    proposed, taken = counts(runner)
+    assert proposed > taken > 0  # some rejected, some accepted
+    for g in finals.values():
+        fresh = make_prompt_cache(model)
+        model(mx.array([g.tokens]), cache=fresh)
+        for ours, ref in zip(g.cache, fresh):
+            assert ours.offset == ref.offset == len(g.tokens)
+            assert mx.abs(ours.state[0] - ref.state[0][..., :ours.offset, :]).max().item() < 1e-4
+
+
+def test_rings_do_not_speculate_and_still_match(model):
+    """A ring table (max_kv_size) turns speculation off: a rejected position's write would land on
+    a ring slot that later tokens still attend to."""
+    from test_step_runner import RotatingRunner
+
+    config = EngineConfig(model="tiny", max_kv_size=32, speculative=SPEC)
+    assert StepRunner(model, config).speculative is None
+    assert StepRunner(model, EngineConfig(model="tiny", speculative=SPEC)).speculative == SPEC
+    jobs = echo_jobs(model, seed=5, n=3)
+    seen: dict = {}
+    assert_same(drive(model, spec_runner(SPEC, seen), jobs, max_kv_size=32),
+                drive(model, RotatingRunner, jobs, max_kv_size=32))
+    assert counts(seen["runner"]) == (0, 0)
+
+
+# -- the acceptance rule keeps the target distribution -------------------------------------------
+
+def chi_squared(observed: list[int], expected: list[float]) -> float:
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+
+
+def test_sampled_acceptance_reproduces_the_target_distribution():
+    """A fixed target p over 6 tokens, a proposal x = 2 (p(x) = 0.3), temperature 0.7 and top_k 5
+    applied by the request's own sampler: the emitted first token is distributed as the target
+    (accepted with probability p'(x), else drawn from the rest renormalised), and the token after
+    an accepted proposal is distributed as its own position's target."""
+    from engine.sampling import make_request_sampler
+    from engine.speculative import new_state
+    from engine.step_sampling import sample_positions
+    from engine.step_state import Slot
+
+    p0 = [0.05, 0.25, 0.30, 0.10, 0.20, 0.10]
+    p1 = [0.40, 0.04, 0.06, 0.30, 0.09, 0.11]
+    params = SamplingParams(temperature=0.7, top_k=5, max_tokens=8)
+    decoding = make_decoding(params, 1, [])
+    trials = 4000
+    slot = Slot("r", 0, decoding, None, 8, [1], [1], 1, spec=new_state(SPEC))
+    logits = mx.log(mx.array([p0, p1]))
+    rows = [(slot, [1, 2], logits)] * trials  # last token 1, proposal 2
+    tokens, _ = sample_positions(rows)
+    drawn = tokens.tolist()
+    firsts, seconds = [0] * 6, [0] * 6
+    for t in range(trials):
+        y0, y1 = drawn[2 * t], drawn[2 * t + 1]
+        taken = accepted([2], [y0, y1])
+        emitted = [y0, y1][:taken + 1]
+        firsts[emitted[0]] += 1
+        if taken:
+            seconds[emitted[1]] += 1
+
+    def target(p):  # what sampling without speculation draws from: top_k 5, temperature 0.7
+        kept = sorted(p, reverse=True)[:5]
+        w = [x ** (1 / 0.7) if x >= kept[-1] else 0.0 for x in p]
+        return [x / sum(w) for x in w]
+
+    q0, q1 = target(p0), target(p1)
+    # 5 degrees of freedom (one cell is 0 under top_k): the 0.999 quantile is 20.5
+    assert chi_squared(firsts, [q * trials for q in q0]) < 20.5, firsts
+    assert firsts[0] == 0  # cut by top_k, never emitted
+    assert abs(firsts[2] / trials - q0[2]) < 0.03  # the acceptance rate is p'(x)
+    assert chi_squared(seconds, [q * firsts[2] for q in q1]) < 20.5, seconds
+
+
+# -- the policy on its own ------------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
+    lookup = PromptLookup(1, 3)
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 3, 6, 7]
+    # suffix (6, 7): latest earlier occurrence at 6..7, followed by 8, 2, 3
+    assert lookup.propose(tokens, 3) == [8, 2, 3]
+    assert lookup.propose(tokens + [8], 2) == [2, 3]  # (6, 7, 8) latest at 6..8
+    assert lookup.propose([1, 2, 3], 4) == []  # nothing seen before
+    assert lookup.propose(tokens, 0) == []
+    assert PromptLookup(1, 3).propose([4, 4], 5) == [4]  # only what is known
+
+
+def test_adaptive_k_follows_acceptance_and_the_floor_and_backs_off_when_it_does_not_pay():
+    a = Adaptive(8)
+    assert a.budget(0.1) >= 2  # a prior of 0.6: 0.6**4 = 0.13
+    for _ in range(6):
+        a.record(8, 8)
+    assert a.budget(0.1) == 8 and a.budget(0.5) == 8  # all accepted: q near 1
+    high = Adaptive(8)
+    for _ in range(6):
+        high.record(4, 2)  # q = 2/3
+    assert high.budget(0.1) == 5 and high.budget(0.4) == 2  # the largest j with q**j >= floor
+    low = Adaptive(8)
+    for _ in range(6):
+        low.record(1, 0)
+    assert low.budget(0.1) == 0 and low.waiting
+    while low.waiting:
+        assert low.budget(0.1) == 0
+    assert low.budget(0.1) == 1  # a probe
+    low.record(1, 0)
+    waited = 0
+    while low.budget(0.1) == 0:
+        waited += 1
+    assert waited > 8  # backed off longer the second time
+
+
+def test_speculative_settings_parse():
+    assert EngineConfig().speculative == "auto"
+    assert EngineConfig(speculative="off").speculative == "off"
+    assert EngineConfig.from_dict({"speculative": {"max_tokens": 4}}).speculative == SpecConfig(max_tokens=4)
+    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes", {"method": "draft"}, {"draft_model": "x"}):
+        with pytest.raises(ValueError):
+            parse_speculative(bad)
+    assert StepRunner.__name__ and EngineConfig(speculative=False).speculative == "off"
+
+
+# -- the whole engine: every sampling setting, stop strings, grammars, logprobs -------------------
+
+ENGINE_CASES = {
+    "greedy": dict(),
+    "repetition": dict(repetition_penalty=1.3),
+    "penalties": dict(frequency_penalty=0.8, presence_penalty=0.5),
+    "bias": dict(logit_bias=((5, 4.0), (7, -100.0))),
+    "logprobs": dict(logprobs=3),
+    "seeded": dict(temperature=0.8, seed=11, top_p=0.9, min_p=0.02, top_k=50),
+    "stop-string": dict(stop=("STOP",)),  # the stop text is set per prompt below
+    "grammar": dict(grammar="GRAMMAR"),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    from engine_helpers import make_engine, run
+
+    made = {name: make_engine(tiny_model_dir, speculative=spec)
+            for name, spec in (("off", "off"), ("on", SpecConfig(max_tokens=6)))}
+    yield made
+    for engine in made.values():
+        run(engine.shutdown())
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_engine_text_logprobs_and_endings_equal_with_speculation_on_and_off(engines, case):
+    """Echo prompts (a start, the model's own continuation, the start again) so proposals are long
+    and mostly accepted; a stop string from inside the continuation (so it ends an accepted run);
+    a JSON-schema grammar whose continuation was itself generated under the grammar."""
+    import asyncio
+    from dataclasses import replace
+
+    from engine.types import Request
+    from engine_helpers import collect, run
+    from test_constraints import GRAMMAR
+
+    params = dict(ENGINE_CASES[case])
+    if "grammar" in params:
+        params["grammar"] = GRAMMAR
+    off, on = engines["off"], engines["on"]
+    tok = off.tokenizer
+    starts = [tok.encode(t) for t in ("def main():\n    print('hello')", "Paris is the capital of", "1 2 3 4 5 6 7")]
+
+    def req(tokens, **extra):
+        sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, **extra})
+        return Request(tuple(tokens), sampling)
+
+    async def gather(engine, reqs):
+        return await asyncio.gather(*(collect(engine, r) for r in reqs))
+
+    base = {k: v for k, v in params.items() if k != "stop"}
+    said = run(gather(off, [req(s, **base) for s in starts]))
+    prompts = [s + [e.token_id for e in events if e.token_id is not None] + s for s, (_, events) in zip(starts, said)]
+    if "stop" in params:  # a few characters from the middle of what it says after an echo prompt
+        again = run(gather(off, [req(p, **base) for p in prompts]))
+        params["stop"] = tuple(text[len(text) // 2:len(text) // 2 + 3] for text, _ in again if len(text) > 6)[:1]
+    before = run(on.call(lambda e: e.status()))["runner"]["spec_accepted_tokens"]
+    results = {}
+    for name, engine in engines.items():
+        out = run(gather(engine, [req(p, **params) for p in prompts]))
+        results[name] = [(text, events[-1].finish_reason, events[-1].stop_string,
+                          [(e.token_id, round(e.logprob.logprob, 4), [t for t, _ in e.logprob.top]) if e.logprob else e.token_id
+                           for e in events]) for text, events in out]
+    assert results["on"] == results["off"]
+    runner = run(on.call(lambda e: e.status()))["runner"]
+    assert runner["spec_accepted_tokens"] > before
+    if "stop" in params:
+        assert any(r[1].value == "stop" for r in results["on"])
+
+
+def test_metrics_and_admin_requests_show_proposed_and_accepted_tokens(engines):
+    """`/metrics` renders the runner's counters as `pomona_engine_runner{kind=...}`; a running
+    request's row in `/admin/requests` (Engine.running_status) carries its own."""
+    import asyncio
+
+    from api.metrics import IngressMetrics
+    from engine.types import Request
+    from engine_helpers import collect, run
+
+    on = engines["on"]
+    start = on.tokenizer.encode("Hello world! How are you today?")
+    said = run(collect(on, Request(tuple(start), SamplingParams(temperature=0.0, max_tokens=30))))[1]
+    prompt = start + [e.token_id for e in said if e.token_id is not None] + start
+    rows: list = []
+
+    async def go():
+        stream = on.stream(Request(tuple(prompt), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                                   request_id="watched"))
+        async for batch in stream:
+            rows.extend(r for r in await on.call(lambda e: e.running_status()) if r["id"] == "watched")
+            if batch[-1].finished:
+                break
+    run(go())
+    assert rows and all("spec_proposed_tokens" in r and "spec_accepted_tokens" in r for r in rows)
+    assert max(r["spec_accepted_tokens"] for r in rows) > 0
+    text = IngressMetrics().render(run(on.call(lambda e: e.status())))
+    assert 'pomona_engine_runner{kind="spec_accepted_tokens"}' in text
+    assert 'pomona_engine_runner{kind="spec_proposed_tokens"}' in text
+
+
+# -- draft-model proposals ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    """A second tiny llama with the same tokenizer and other weights: a draft that is often wrong."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), seed=1)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_draft_model_proposals_match_without_speculation(model, tiny_model_dir, other_model_dir, which):
+    """The draft the model itself (its proposals stand, but where the table's and mlx-lm's
+    cache's logits tie) and a draft with other weights (mostly rejected): the same tokens as
+    BatchGenerator either way, with arrivals, an abort, a stop token and a cached prefix."""
+    from test_step_runner import random_jobs
+
+    path = tiny_model_dir if which == "same" else other_model_dir
+    spec = SpecConfig(method="draft", draft_model=str(path), max_tokens=4)
+    jobs = random_jobs(model.args.vocab_size, seed=21, n=6, spread=15)
+    reference = drive(model, Runner, jobs)
+    jobs[2].stop = (reference[2].tokens[len(reference[2].tokens) // 2],)
+    jobs[3].prefix = len(jobs[3].prompt) // 2
+    seen: dict = {}
+    ours = drive(model, spec_runner(spec, seen), jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    proposed, taken = counts(seen["runner"])
+    assert proposed > 0
+    if which == "same":
+        assert taken > 0.8 * proposed
+    else:
+        assert taken < proposed
+
+
+def test_a_draft_proposes_after_a_rejection_what_a_fresh_draft_would(model):
+    """The draft's cache drops what it consumed past the accepted tokens: after proposals that were
+    partly rejected, its next proposals equal those of a draft fed the known tokens afresh."""
+    from engine.draft import DraftProposer
+    from engine.speculative import new_state
+
+    rng = random.Random(3)
+    known = [rng.randrange(1, model.args.vocab_size) for _ in range(30)]
+    proposer, state = DraftProposer(model, 6), new_state(SPEC)
+    first = proposer.propose(state, known, 6)
+    assert len(first) == 6
+    known += first[:2] + [(first[2] + 1) % model.args.vocab_size]  # two accepted, then another token
+    again = proposer.propose(state, known, 6)
+    assert again == DraftProposer(model, 6).propose(new_state(SPEC), known, 6)
+    known += again  # all accepted (and the last one sampled): nothing to trim, one token to catch up
+    assert proposer.propose(state, known, 3) == DraftProposer(model, 6).propose(new_state(SPEC), known, 3)
