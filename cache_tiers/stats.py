@@ -19,8 +19,7 @@ class TierCounters:
     evictions: int = 0
     promotions: int = 0  # entries moved up into this tier
     demotions: int = 0  # entries this tier received from the tier above
-    superseded: int = 0  # entries dropped because a longer trimmable entry covers them
-    rejected: int = 0  # offers not stored (unsupported cache, too large, not block aligned...)
+    rejected: int = 0  # offers or blocks not stored (unsupported cache, too large, parent not held...)
     write_drops: int = 0  # writes dropped because the queue was full
     writes: int = 0
     corrupt: int = 0  # entries that failed to decode: deleted, never served
