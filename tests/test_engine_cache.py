@@ -103,3 +103,25 @@ def test_concurrent_requests_sharing_a_prefix_compute_it_once(tiny_model_dir, tm
         assert cached[0] == 0 and cached[1] >= len(eng.tokenizer.encode(LONG)) - 4
     finally:
         run(eng.shutdown())
+
+
+def test_a_tenant_never_hits_another_tenants_prefix(tiny_model_dir, tmp_path):
+    """Requests share cached prefixes only under the same cache salt (the tenant): another salt gets
+    no hit, so neither its cached-token count nor its timing reveals another tenant's prompt."""
+    from engine.types import Request, SamplingParams
+
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=cache_config(tmp_path))
+    try:
+        tokens = tuple(eng.tokenizer.encode(LONG + "Who?"))
+
+        def ask(salt):
+            events = run(collect(eng, Request(tokens, SamplingParams(max_tokens=4, temperature=0.0),
+                                              cache_salt=salt)))[1]
+            return events[-1].usage.cached_tokens
+
+        assert ask("tenant-a") == 0
+        assert ask("tenant-b") == 0  # a's prefix is not served to b, from RAM or the SSD
+        assert ask("tenant-a") == len(tokens) - 1
+        assert ask("tenant-b") == len(tokens) - 1  # b's own history is
+    finally:
+        run(eng.shutdown())
