@@ -21,7 +21,9 @@ RETRY_AFTER_S = 1.0
 class TokenizerPool:
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
-        self.queued = 0  # request jobs submitted and not yet finished (or given up)
+        # Request jobs submitted and not yet finished. One whose caller left stops counting though its
+        # job may still run: the bound is on requests waiting, and such a job holds no request.
+        self.queued = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pomona-tokenizer")
 
     async def run(self, fn: Callable[[], Any], bounded: bool = True) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 from backend_fakes import NoReplica
 from starlette.testclient import TestClient
 
-from api.auth import ApiKeyMiddleware
+from api.auth import ApiKeyMiddleware, KeyRing
 from api import server as api_server
 from api.server import OpenAIServer
 from api.metrics import IngressMetrics
@@ -28,7 +28,7 @@ def test_503_until_a_replica_can_serve():
 
 
 def test_key_check_compares_every_key():
-    mw = ApiKeyMiddleware(app=None, keys=("a" * 40, "b"), metrics=IngressMetrics())  # type: ignore[arg-type]
+    mw = ApiKeyMiddleware(app=None, keys=KeyRing.of(("a" * 40, "b")), metrics=IngressMetrics())  # type: ignore[arg-type]
     assert mw.allowed("b") and mw.allowed("a" * 40)
     assert not mw.allowed("") and not mw.allowed("a") and not mw.allowed("c")
 

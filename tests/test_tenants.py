@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from api.auth import ADMIN, INFERENCE, ApiKeyMiddleware, KeyRing, cache_salt, key_tenant
+from api.auth import ADMIN, INFERENCE, KeyRing, cache_salt, key_tenant
 from api.errors import ApiError
 from api.metrics import OTHER, ROUTE_LABELS, route_label
 from api.server import OpenAIServer
