@@ -21,11 +21,10 @@ FREE_TEXT = LLMatcher.grammar_from_lark("start: TEXT\nTEXT: /(.|\\n)*/")
 
 
 def slow_grammar() -> str:
-    """A grammar whose compile takes ~0.5 s on the tiny model (8,000 patterned properties): the window
-    in which the client leaves. Free text after it, so a request that does run, runs long."""
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}
-                                               for i in range(8000)}}
-    return LLMatcher.grammar_from_json_schema(schema)
+    """A valid grammar whose compile takes ~0.2 s (a 60,000-word alternation, then free text): the
+    window in which the client leaves. A request that does run, runs long."""
+    words = "|".join(f"w{i}z" for i in range(60_000))
+    return LLMatcher.grammar_from_lark(f"start: WORD TEXT\nWORD: /({words})/\nTEXT: /(.|\\n)*/")
 
 
 def long_request(rid: str, grammar: str = FREE_TEXT) -> Request:
@@ -33,14 +32,15 @@ def long_request(rid: str, grammar: str = FREE_TEXT) -> Request:
                                                        grammar=grammar), request_id=rid)
 
 
-async def never_ran(engine, seconds: float = 1.5) -> None:
-    """Nothing runs or waits for `seconds`, and no request finished (not even by an abort)."""
+async def never_ran(engine, seconds: float = 1.0, others: dict | None = None) -> None:
+    """Nothing runs or waits for `seconds`, and no request finished (not even by an abort) but
+    `others` (finish reason -> count of other requests, run before)."""
     for _ in range(int(seconds / 0.05)):
         assert await engine.requests_status() == []
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)  # the engine process publishes stats every 0.1 s
     stats = engine.stats()
-    assert stats["requests_finished"] == {} and stats["prompt_tokens_total"] == 0, stats
+    assert stats["requests_finished"] == (others or {}), stats
 
 
 def test_an_abort_while_the_grammar_compiles_in_process(tiny_model_dir, monkeypatch):
@@ -65,6 +65,7 @@ def test_an_abort_while_the_grammar_compiles_in_process(tiny_model_dir, monkeypa
             batches = await asyncio.wait_for(events, 10)
             assert [[(e.finish_reason, e.token_id) for e in b] for b in batches] == [[(FinishReason.ABORT, None)]]
             await never_ran(engine, 0.5)
+            assert engine.stats()["prompt_tokens_total"] == 0
         finally:
             release.set()
             await engine.shutdown()
@@ -87,11 +88,14 @@ def test_an_abort_while_the_grammar_compiles_in_the_engine_process(tiny_model_di
             assert not first.done()  # no event yet: the engine process is still compiling
             first.cancel()  # the consumer leaves: the stream sends the abort
             await asyncio.gather(first, return_exceptions=True)
-            await never_ran(engine)
-            # The engine still serves, the same grammar included.
-            batches = await _all(engine.stream(Request((7, 8, 9), SamplingParams(max_tokens=3, ignore_eos=True,
-                                                                                 grammar=grammar), request_id="next")))
-            assert batches[-1][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            # A request of the same grammar, sent after: once it is done, the first one's compile is
+            # over too, and that one would have been queued before it.
+            nxt = Request((7, 8, 9), SamplingParams(max_tokens=3, ignore_eos=True, grammar=grammar), request_id="next")
+            batches = await _all(engine.stream(nxt))
+            finish = batches[-1][-1].finish_reason
+            assert finish in (FinishReason.LENGTH, FinishReason.STOP)
+            await never_ran(engine, others={finish.value: 1})
+            assert engine.stats()["prompt_tokens_total"] == 3  # only "next" was ever admitted
         finally:
             await engine.shutdown()
 
