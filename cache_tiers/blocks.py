@@ -186,17 +186,20 @@ def exact_state(parts: Split, digest: bytes) -> ExactState | None:
     return ExactState(digest, n, parts.layout.num_layers, layers, _nbytes(arrays))
 
 
-def cut_tail(parts: Split, start: int, parent: bytes | None, tokens: np.ndarray, end: int | None = None) -> Tail:
-    """The offer's tokens from `start` (a whole block's end) to `end` (default: all), as a private
-    copy; only the offer's own end has the exact layers' state."""
-    n = parts.num_tokens if end is None else end
-    if n != parts.num_tokens and parts.exact:
-        raise ValueError("an exact layer's state exists only at the offer's end")
+def cut_tail(parts: Split, start: int, parent: bytes | None, tokens: np.ndarray) -> Tail:
+    """The offer's tokens from `start` (its last whole block's end) on, as a private copy."""
+    n = parts.num_tokens
     arrays = tuple(mx.stack([parts.rows[s][:, start:n, :] for s in group]) for group in parts.layout.groups)
     mx.async_eval(list(arrays))
-    state = exact_state(parts, parent or b"") if n == parts.num_tokens else None
+    state = exact_state(parts, parent or b"")
     nbytes = _nbytes(arrays) + (n - start) * 8 + (state.nbytes if state else 0)
     return Tail(parent, np.asarray(tokens[start:n], dtype=np.int64).copy(), parts.layout, arrays, state, nbytes)
+
+
+def as_tail(block: Block) -> Tail:
+    """A held block read as a tail (its rows plain), to serve a prompt that diverges inside it."""
+    arrays = tuple(_plain(x, block.quant) for x in block.arrays)
+    return Tail(block.parent, block.tokens, block.layout, arrays, None, block.nbytes)
 
 
 def assemble(blocks: Sequence[Block], exact: ExactState | None, num_layers: int,

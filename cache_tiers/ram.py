@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -43,6 +44,7 @@ class _Node:
     children: int = 0
     state: ExactState | None = None
     state_persisted: bool = False
+    under: bytes = b""  # the parent's digest, or for a first block the chain seed
     tails: list[Tail] = field(default_factory=list)  # most recent last
 
 
@@ -57,7 +59,10 @@ class RamTier:
         self._nodes: dict[bytes, _Node] = {}
         self._leaves: list[tuple[int, bytes]] = []  # heap of (used, digest); stale entries skipped
         self._clock = itertools.count(1)
-        self._root_tails: list[Tail] = []
+        # Offers shorter than a block, by the chain seed (model, format, salt) they start from: one
+        # tenant's never answer another's lookups.
+        self._root_tails: OrderedDict[bytes, list[Tail]] = OrderedDict()
+        self._kids: dict[bytes, set[bytes]] = {}  # parent digest (a first block: its seed) -> held blocks
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -94,7 +99,7 @@ class RamTier:
         return out
 
     # -- insertion ------------------------------------------------------------------------------
-    def add(self, block: Block, persisted: bool) -> bool:
+    def add(self, block: Block, persisted: bool, root: bytes = b"") -> bool:
         """Hold `block` (its parent must be held: the tier stays prefix-closed); False when it does
         not fit at all. A block already held is only touched (stored once)."""
         node = self._nodes.get(block.digest)
@@ -108,8 +113,9 @@ class RamTier:
         if block.nbytes > self.budget:
             self.counters.rejected += 1
             return False
-        node = _Node(block, persisted, next(self._clock))
+        node = _Node(block, persisted, next(self._clock), under=block.parent if block.parent is not None else root)
         self._nodes[block.digest] = node
+        self._kids.setdefault(node.under, set()).add(block.digest)
         if block.parent is not None:
             self._nodes[block.parent].children += 1
         self.nbytes += block.nbytes
@@ -133,11 +139,12 @@ class RamTier:
         self._enforce_budget(keep=state.digest)
         return state.digest in self._nodes
 
-    def add_tail(self, tail: Tail) -> bool:
+    def add_tail(self, tail: Tail, root: bytes = b"") -> bool:
         """Hold `tail` under its block (which must be held). A tail it extends is dropped (a KV
         tail serves any shorter prefix; an exact one only its own length, so only an equal one)."""
         if tail.parent is None:
-            tails = self._root_tails
+            tails = self._root_tails.setdefault(root, [])
+            self._root_tails.move_to_end(root)
         else:
             node = self._nodes.get(tail.parent)
             if node is None:
@@ -156,10 +163,11 @@ class RamTier:
         self._enforce_budget(keep=tail.parent)
         return True
 
-    def best_tail(self, parent: bytes | None, rest: np.ndarray, limit: int) -> tuple[Tail, int] | None:
+    def best_tail(self, parent: bytes | None, rest: np.ndarray, limit: int,
+                  root: bytes = b"") -> tuple[Tail, int] | None:
         """The tail under `parent` serving the most of `rest` (the prompt past the block), at most
         `limit` tokens: a KV tail any common prefix, one with an exact state only its whole length."""
-        tails = self._root_tails if parent is None else getattr(self._nodes.get(parent), "tails", [])
+        tails = self._root_tails.get(root, []) if parent is None else getattr(self._nodes.get(parent), "tails", [])
         best: tuple[Tail, int] | None = None
         for tail in tails:
             m = min(len(tail.tokens), len(rest), limit)
@@ -168,6 +176,24 @@ class RamTier:
             rows = common if tail.state is None else (len(tail.tokens) if common == len(tail.tokens) else 0)
             if rows > 0 and (best is None or rows > best[1]):
                 best = (tail, rows)
+        return best
+
+    def best_partial(self, parent: bytes | None, rest: np.ndarray, limit: int,
+                     root: bytes = b"") -> tuple[Block, int] | None:
+        """The held block after `parent` sharing the most leading tokens with `rest` (the prompt past
+        `parent`), at most `limit` of them: a prompt that diverges inside a block (a client renders
+        the previous answer its own way) is still served up to the divergence, as a token trie
+        would. Only for models without exact layers: a block's rows serve any prefix of it."""
+        best: tuple[Block, int] | None = None
+        for digest in self._kids.get(parent if parent is not None else root, ()):
+            block = self._nodes[digest].block
+            m = min(len(block.tokens), len(rest), limit)
+            diff = np.flatnonzero(block.tokens[:m] != rest[:m])
+            rows = int(diff[0]) if diff.size else m
+            if rows > 0 and (best is None or rows > best[1]):
+                best = (block, rows)
+        if best is not None:
+            self._touch(self._nodes[best[0].digest])
         return best
 
     # -- reports --------------------------------------------------------------------------------
@@ -202,6 +228,7 @@ class RamTier:
 
     def clear(self) -> None:
         self._nodes.clear()
+        self._kids.clear()
         self._leaves.clear()
         self._root_tails.clear()
         self.nbytes = 0
@@ -221,12 +248,20 @@ class RamTier:
             heapq.heappush(self._leaves, item)
         if self.nbytes > self.budget and keep in self._nodes:
             self._evict(self._nodes[keep])
-        while self.nbytes > self.budget and self._root_tails:  # offers shorter than a block
-            self.nbytes -= self._root_tails.pop(0).nbytes
+        while self.nbytes > self.budget and self._root_tails:  # offers shorter than a block, oldest first
+            seed, tails = next(iter(self._root_tails.items()))
+            self.nbytes -= tails.pop(0).nbytes
+            if not tails:
+                del self._root_tails[seed]
 
     def _evict(self, node: _Node) -> None:
         block = node.block
         del self._nodes[block.digest]
+        kids = self._kids.get(node.under)
+        if kids is not None:
+            kids.discard(block.digest)
+            if not kids:
+                del self._kids[node.under]
         self.nbytes -= block.nbytes
         self.counters.evictions += 1
         if node.state is not None:

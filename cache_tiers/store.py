@@ -64,11 +64,9 @@ class PrefixStore(Protocol):
         """A private copy of what `find` found for these `tokens` (None: nothing, too short, or
         gone since); counted as one lookup of `tokens`."""
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "",
-              prompt_len: int | None = None) -> None:
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         """Remember `cache`, which covers exactly `tokens`. The store takes what it lacks (it copies
-        as it needs); the caller must not mutate `cache` afterwards. `prompt_len`: where a finished
-        request's prompt ended (a next turn re-sends the prompt, not always the output)."""
+        as it needs); the caller must not mutate `cache` afterwards."""
 
     def tick(self, drain: bool = False) -> None:
         """Once per engine step (MLX thread): finish what earlier offers started; `drain`: all of it
@@ -102,8 +100,7 @@ class NullStore:
     def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
         return None
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "",
-              prompt_len: int | None = None) -> None:
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         return None
 
     def tick(self, drain: bool = False) -> None:

@@ -49,6 +49,7 @@ class _Found:
     ssd_state: int  # blocks up to the SSD's deepest exact state (exact models)
     tail: Tail | None = None  # RAM's tail under block `ram`, serving `tail_rows` more tokens
     tail_rows: int = 0
+    seed: bytes = b""  # the chain's seed (its first block's place in RAM)
 
 
 class TieredStore:
@@ -71,13 +72,16 @@ class TieredStore:
         ram.on_evict = self._demote
 
     # -- lookups --------------------------------------------------------------------------------
-    def _chain(self, tokens: np.ndarray, salt: str) -> list[bytes]:
+    def _seed(self, salt: str) -> bytes:
         seed = self._seeds.get(salt)
         if seed is None:
             seed = self._seeds[salt] = chain_seed(self.fingerprint, salt=salt)
             if len(self._seeds) > 4096:  # tenants come and go: keep the memo bounded
                 self._seeds = {salt: seed}
-        return block_chain(tokens, self.block_size, seed)
+        return seed
+
+    def _chain(self, tokens: np.ndarray, salt: str) -> list[bytes]:
+        return block_chain(tokens, self.block_size, self._seed(salt))
 
     def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
         """The longest prefix RAM holds, or the SSD's rows promise past it; nothing read or counted."""
@@ -101,12 +105,17 @@ class TieredStore:
         best = max(ram_state, ssd_state)
         num = best * self.block_size
         tier = "ram" if best <= ram_state else "ssd"
-        found = _Found(chain, ram, ram_state, ssd, ssd_state)
-        tail = self.ram.best_tail(chain[ram - 1] if ram else None, toks[ram * self.block_size:],
-                                 n - 1 - ram * self.block_size)
+        found = _Found(chain, ram, ram_state, ssd, ssd_state, seed=self._seed(salt))
+        parent, rest, room = chain[ram - 1] if ram else None, toks[ram * self.block_size:], n - 1 - ram * self.block_size
+        seed = self._seed(salt)
+        tail = self.ram.best_tail(parent, rest, room, seed)
+        if not self._exact:  # a held block the prompt diverges inside serves up to there, if longer
+            partial = self.ram.best_partial(parent, rest, room, seed)
+            if partial is not None and (tail is None or partial[1] > tail[1]):
+                tail = (blk.as_tail(partial[0]), partial[1])
         if tail is not None and ram * self.block_size + tail[1] > num:
             num, tier = ram * self.block_size + tail[1], "ram"
-            found = _Found(chain, ram, ram_state, ssd, ssd_state, tail[0], tail[1])
+            found = _Found(chain, ram, ram_state, ssd, ssd_state, tail[0], tail[1], seed)
         if num == 0:
             return None
         return Match(num, tier, found, too_short=num < max(1, self.min_restore_tokens))
@@ -181,7 +190,7 @@ class TieredStore:
                 return None
             more = self.ssd.load_blocks(f.chain, toks, have, want)
             for b in more:
-                if self.ram.add(b, persisted=True):
+                if self.ram.add(b, persisted=True, root=f.seed):
                     self.ram.counters.promotions += 1
             got += more
         if not got:
@@ -205,14 +214,11 @@ class TieredStore:
         return self.restore(tokens, self.find(tokens, salt), salt)
 
     # -- offers ---------------------------------------------------------------------------------
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "",
-              prompt_len: int | None = None) -> None:
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
         offer ends either its tail (RAM) or, on a block boundary, its exact state. `kind` does not
         matter any more: every block is written through once (it costs its own bytes, never a
-        conversation's). `prompt_len` (a finished request's prompt, for a model without exact
-        layers): RAM also keeps the tail at the prompt's end, since a next turn re-sends the prompt
-        but not always the output token for token (a client renders the answer its own way)."""
+        conversation's)."""
         toks = np.asarray(tokens, dtype=np.int64)
         try:
             parts = blk.split(cache, len(toks))
@@ -231,15 +237,13 @@ class TieredStore:
             quant = (self.quant.bits, self.quant.group_size)
         new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant)
         self.blocks_offered += len(new)
+        seed = self._seed(salt)
         for b in new:
             queued = self.ssd.offer(b) if self.ssd is not None else False
-            if not self.ram.add(b, persisted=queued) and self.ssd is not None and not queued:
+            if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
                 self._demote(b, False)
-        if prompt_len is not None and not exact and prompt_len % bs and prompt_len < k * bs:
-            p = prompt_len // bs
-            self.ram.add_tail(blk.cut_tail(parts, p * bs, chain[p - 1] if p else None, toks, prompt_len))
         if k * bs < n:  # the tokens past the last whole block: RAM only
-            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks))
+            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks), seed)
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:

@@ -293,8 +293,7 @@ class Engine:
         if len(tokens) < self._min_store:
             return
         try:
-            self.store.offer(list(tokens), cache, kind, seq.request.cache_salt,  # type: ignore[arg-type]
-                             prompt_len=seq.prompt_len if kind == "finished" else None)
+            self.store.offer(list(tokens), cache, kind, seq.request.cache_salt)  # type: ignore[arg-type]
         except Exception:  # the cache is an optimisation: never fail a request over it
             log.exception("prefix store refused an offer for %s", seq.request_id)
 

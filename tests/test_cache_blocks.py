@@ -19,7 +19,7 @@ B = P + toks(2 * BLOCK, 2000)
 def held_bytes(ram) -> int:
     """What RAM really holds: every array of its blocks, states and tails, plus their token ids."""
     total = 0
-    tails = list(ram._root_tails)
+    tails = [t for root in ram._root_tails.values() for t in root]
     for node in ram._nodes.values():
         total += sum(x.nbytes for x in leaves(node.block.arrays)) + node.block.tokens.nbytes
         if node.state is not None:
@@ -266,17 +266,15 @@ def test_ram_tier_holds_a_block_once_whoever_adds_it():
     assert len(s.ram) == 0 and s.ram.nbytes == 0 and s.stats()["ram"]["evictions"] == 5
 
 
-def test_a_finished_offer_keeps_the_tail_at_its_prompt_end():
-    """A next turn re-sends the prompt but not always the output as generated: the store keeps the
-    tail where the prompt ended, so such a turn is served to the token, not to the last block."""
+def test_a_prompt_that_diverges_inside_a_held_block_is_served_up_to_there():
+    """A next turn re-sends the prompt but not always the output as generated: the block holding the
+    prompt's end and the output's start serves the turn up to where they part, as a token trie would."""
     prompt, output = toks(40), toks(30, 9000)
-    follow = prompt + toks(10, 5000)  # the client rendered the answer its own way
+    follow = prompt + output[:5] + toks(10, 5000)  # the client rendered the answer its own way
     s, offered = store(), kv_cache(70)
-    s.offer(prompt + output, offered, "finished", prompt_len=40)
+    s.offer(prompt + output, offered, "finished")
     hit = s.lookup(follow)
-    assert hit.num_tokens == 40
-    assert all(mx.array_equal(h.keys, o.keys[..., :40, :]) and mx.array_equal(h.values, o.values[..., :40, :])
+    assert hit.num_tokens == 45  # 2 whole blocks of 16, then 13 rows of the third
+    assert all(mx.array_equal(h.keys, o.keys[..., :45, :]) and mx.array_equal(h.values, o.values[..., :45, :])
                for h, o in zip(hit.cache, offered))
-    s = store()
-    s.offer(prompt + output, kv_cache(70), "finished")
-    assert s.lookup(follow).num_tokens == 32  # two whole blocks of 16 only
+    assert s.lookup(toks(20) + toks(10, 7000)).num_tokens == 20  # inside the second block

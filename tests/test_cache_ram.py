@@ -60,9 +60,9 @@ def test_longest_run_of_blocks_wins():
     s.offer(base[:50] + [9999] * 10, kv_cache(60, seed=1), "prompt")
     s.offer(base[:120] + [8888] * 10, kv_cache(130, seed=2), "prompt")
     hit = s.lookup(base)
-    # whole blocks only: block 7 (tokens 112..127) holds 8888s, so 7 blocks serve
-    assert hit is not None and hit.num_tokens == 112 and hit.tier == "ram"
-    assert all(c.offset == 112 and c.keys.shape[2] == 112 for c in hit.cache)
+    # 7 whole blocks, then block 8 (tokens 112..127: 8 of the prompt's, then 8888s) up to where they part
+    assert hit is not None and hit.num_tokens == 120 and hit.tier == "ram"
+    assert all(c.offset == 120 and c.keys.shape[2] == 120 for c in hit.cache)
 
 
 def test_find_answers_what_a_restore_would_serve_without_copying_or_counting():
@@ -71,26 +71,26 @@ def test_find_answers_what_a_restore_would_serve_without_copying_or_counting():
     s.offer(base[:120] + [8888] * 10, kv_cache(130), "prompt")
     before = s.stats()
     match = s.find(base)
-    assert match is not None and match.usable == 112 and match.tier == "ram"
+    assert match is not None and match.usable == 120 and match.tier == "ram"  # 7 blocks, 8 rows of the 8th
     assert s.find(toks(5, start=7000) + base) is None  # a different start: nothing cached
-    short = s.find(base[:20])  # one block: below min_restore_tokens
-    assert short.too_short and short.usable == 0 and short.num_tokens == BLOCK
+    short = s.find(base[:20])  # one block and 3 rows of the next: below min_restore_tokens
+    assert short.too_short and short.usable == 0 and short.num_tokens == 19
     assert s.stats() == before
     hit = s.restore(base, match)
-    assert hit.num_tokens == 112
+    assert hit.num_tokens == 120
     after = s.stats()
     assert after["lookups"] == before["lookups"] + 1 and after["hits"] == before["hits"] + 1
     assert s.restore(base[:20], s.find(base[:20])) is None
     assert s.stats()["hits_below_min_restore"] == before["hits_below_min_restore"] + 1
 
 
-def test_longer_offer_serves_a_shorter_prompt_in_whole_blocks():
+def test_longer_offer_serves_a_shorter_prompt_to_the_token():
     s = store()
     original = kv_cache(100)
     s.offer(toks(100), original, "finished")
     hit = s.lookup(toks(40))
-    assert hit.num_tokens == 32  # the tail lies under block 6, not under block 2
-    assert same_kv(hit.cache, original, 32)
+    assert hit.num_tokens == 39  # two whole blocks, then 7 rows of the third (one token left to feed)
+    assert same_kv(hit.cache, original, 39)
 
 
 def test_tail_serves_past_the_last_block_and_leaves_one_token_to_feed():
@@ -102,9 +102,10 @@ def test_tail_serves_past_the_last_block_and_leaves_one_token_to_feed():
     assert same_kv(hit.cache, original, 99)
     assert s.lookup(toks(101)).num_tokens == 100
     assert s.lookup(toks(98) + [5, 5, 5]).num_tokens == 98  # the tail's common part
-    # an offer ending on a block boundary has no tail: the same prompt leaves its last block
+    # an offer ending on a block boundary has no tail: its last block serves the same prompt again
+    # up to the token left to feed
     s.offer(toks(96, 500), kv_cache(96), "finished")
-    assert s.lookup(toks(96, 500)).num_tokens == 80
+    assert s.lookup(toks(96, 500)).num_tokens == 95
 
 
 def test_a_longer_tail_replaces_the_one_it_extends():
