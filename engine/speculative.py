@@ -62,9 +62,11 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
     raise ValueError('engine.speculative must be "off", "auto" or a mapping (method, max_tokens, ...)')
 
 
-# Where `auto` turns speculation on. Measured on the 2-core box (docs/measurements.md, "Speculative
-# decoding"): prompt lookup pays on the CPU. On GPUs it is on until the H200 measurement says
-# otherwise (issue 34: a host-bound step costs about the same for k+1 tokens a row as for one).
+# Where `auto` turns speculation on. Measured on the 2-core box (docs/measurements.md, issue 34):
+# prompt lookup pays on the CPU for one stream (1.4-2.3x) and a few; past 4 decoding rows the step
+# runner proposes nothing there (engine/step_runner.py, SPEC_MAX_ROWS_CPU). On GPUs it is on until
+# the H200 measurement says otherwise (issue 34: a host-bound step costs about the same for k+1
+# tokens a row as for one).
 AUTO_ON_CPU = True
 AUTO_ON_GPU = True
 
