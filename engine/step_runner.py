@@ -259,7 +259,10 @@ class StepRunner:
             return False
         if self._inflight is not None and self._inflight.verified:
             return True
-        return any(not s.spec.adaptive.waiting for s in self._slots.values() if not s.prefilling)
+        decoding = [s for s in self._slots.values() if not s.prefilling]
+        if self._on_cpu and len(decoding) > SPEC_MAX_ROWS_CPU:  # none may propose: keep the overlap
+            return False
+        return any(not s.spec.adaptive.waiting for s in decoding)
 
     def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
         """Each decoding row's proposals for this step (rows with none are left out). Every row's
