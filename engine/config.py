@@ -85,8 +85,9 @@ class EngineConfig:
     # Speculative decoding in the own step (engine/speculative.py): "off", "auto" or a mapping
     # (method: prompt_lookup | draft, max_tokens: proposals a row verifies per step, ngram_max,
     # ngram_min, draft_model: a same-tokenizer model's path for method draft).
-    # "auto": prompt lookup where it was measured to pay (the CPU, docs/measurements.md) and on GPUs
-    # until measured there. Not on ring tables (max_kv_size) nor on mlx-lm's BatchGenerator.
+    # "auto": prompt lookup where it was measured to pay (the CPU while at most 4 rows decode,
+    # docs/measurements.md) and on GPUs until measured there. Not on ring tables (max_kv_size) nor
+    # on mlx-lm's BatchGenerator.
     speculative: str | SpecConfig = "auto"
 
     def __post_init__(self) -> None:

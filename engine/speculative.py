@@ -63,10 +63,12 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
 
 
 # Where `auto` turns speculation on: only where it was measured to pay. Measured on the 2-core box
-# (docs/measurements.md, "Speculative decoding"): prompt lookup pays on the CPU. Not measured on a GPU
-# yet (the session's H200 time went to the prefix-cache work): off there until it is, since a step
-# that verifies gives up overlapping its build with the previous step, which a host-bound GPU step
-# relies on (`python -m benchmarks.speculative MODEL` on the device decides it).
+# (docs/measurements.md, issue 34): prompt lookup pays on the CPU for one stream (1.4-2.3x) and a few;
+# past 4 decoding rows the step runner proposes nothing there (engine/step_runner.py,
+# SPEC_MAX_ROWS_CPU). Not measured on a GPU yet (the session's H200 time went to the prefix-cache
+# work): off there until it is, since a step that verifies gives up overlapping its build with the
+# previous step, which a host-bound GPU step relies on (`python -m benchmarks.speculative MODEL` on
+# the device decides it).
 AUTO_ON_CPU = True
 AUTO_ON_GPU = False
 

@@ -44,8 +44,15 @@ log = logging.getLogger("pomona.engine")
 # building it (H200, 1B: 4.3 ms for 1 row, 7.6 ms for 32): positions are nearly free until hundreds.
 SPEC_FIXED_POSITIONS_CPU = 8
 SPEC_FIXED_POSITIONS_GPU = 256
+FLAT_EXTRA_POSITIONS = 4  # what a CPU flat forward's parts cost beyond a plain forward, in positions
 SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
-SPEC_MIN_FLOOR = 0.1  # a verifying step does not overlap the previous one: some floor on any backend
+SPEC_MIN_FLOOR = 0.1
+# Most decoding rows with which a CPU step still verifies proposals. On the 2-core box (SmolLM2-135M,
+# CPU seconds per token, closed loop of 16 requests at 8 concurrent) proposals at 8 rows gained 15%
+# on the code-edit workload and lost 12% on random text though 84% of them were accepted: a
+# verifying step's forward costs ~28 ms more than a plain one there (its extra parts) on top of
+# ~7 ms a position; at 1 row they gained 1.3-2.3x.
+SPEC_MAX_ROWS_CPU = 4  # a verifying step does not overlap the previous one: some floor on any backend
 _told: set[str] = set()  # fallback reasons already logged
 
 
@@ -291,7 +298,10 @@ class StepRunner:
             return False
         if self._inflight is not None and self._inflight.verified:
             return True
-        return any(not s.spec.adaptive.waiting for s in self._slots.values() if not s.prefilling)
+        decoding = [s for s in self._slots.values() if not s.prefilling]
+        if self._on_cpu and len(decoding) > SPEC_MAX_ROWS_CPU:  # none may propose: keep the overlap
+            return False
+        return any(not s.spec.adaptive.waiting for s in decoding)
 
     def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
         """Each decoding row's proposals for this step (rows with none are left out). Every row's
@@ -304,9 +314,12 @@ class StepRunner:
         # and the step emits about `rows` tokens.
         fixed = SPEC_FIXED_POSITIONS_CPU if self._on_cpu else SPEC_FIXED_POSITIONS_GPU
         floor = max(SPEC_MIN_FLOOR, len(decode) / (len(decode) + fixed))
+        # On a CPU a verifying step also costs its forward's extra parts, and with more rows
+        # decoding the proposals measured a net loss (docs/measurements.md): none past a few rows.
+        crowded = self._on_cpu and len(decode) > SPEC_MAX_ROWS_CPU
         for s in decode:
             k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
-            if not speculate or k <= 0:
+            if not speculate or crowded or k <= 0:
                 continue
             proposals = self._draft.propose(s.spec, s.known, k) if self._draft else s.spec.lookup.propose(s.known, k)
             for process in s.decoding.logits_processors:
@@ -328,7 +341,7 @@ class StepRunner:
         if not decode and not chunks:
             return None
         with mx.stream(self._stream):
-            if verify and not chunks and self._flat:
+            if verify and not chunks and self._flat and not self._pad_all(decode, verify):
                 # Not waited for here: a verifying step's attention stays lazy (CpuAttention takes
                 # MLX's for a few queries), so the step overlaps what the engine does meanwhile.
                 work = self._flat_step([s for s in decode if s not in verify], [], verify)
@@ -447,6 +460,14 @@ class StepRunner:
         firsts = [(s, first_token(s, logits[len(at) - len(ending) + j][None])) for j, s in enumerate(ending)]
         pre = self._prefilled(chunks, firsts)
         return pre if work is None else merge(work, pre)
+
+    def _pad_all(self, decode: list[Slot], verify: dict[Slot, list[int]]) -> bool:
+        """On a CPU, whether every decoding row padded to the widest in one plain forward costs less
+        than the flat forward's parts: measured on the 2-core box (SmolLM2-135M, 8 rows), a flat
+        forward costs ~4 positions more than a plain one of the same positions (153 against
+        126 ms), and a position ~6 ms."""
+        width = 1 + max(len(p) for p in verify.values())
+        return len(decode) * width <= len(decode) + sum(len(p) for p in verify.values()) + FLAT_EXTRA_POSITIONS
 
     def _verify_group(self, decode: list[Slot], verify: dict[Slot, list[int]]) -> Work:
         """Every decoding row in one forward of its last token and its proposals (none for some),

@@ -155,13 +155,13 @@ def _flat(model):
 
 
 def test_prefill_chunks_use_numpy_attention_and_decode_the_fast_softmax_on_long_contexts(models, monkeypatch) -> None:
-    """Prefill chunks (more than FAST_ATTENTION_MAX_QUERIES queries) go to `prefill_attention`;
+    """Prefill chunks (more than FEW_QUERIES queries) go to `prefill_attention`;
     decode-sized calls to the materialised fast softmax once the context has FAST_SOFTMAX_MIN_KEYS
     keys, to MLX's SDPA before (where it is faster). Same logits as mlx-lm's model every way."""
     import modelio.cpu_llama as cpu_llama
 
     ref, fast = models
-    n = cpu_llama.FAST_ATTENTION_MAX_QUERIES + 8
+    n = cpu_llama.FEW_QUERIES + 8  # a few queries on a short context (a verification) take MLX's SDPA
     monkeypatch.setattr(cpu_llama, "FAST_SOFTMAX_MIN_KEYS", n + 2)  # the second decode step reaches it
     calls: list[tuple[str, int]] = []
     for name in ("attention", "prefill_attention"):

@@ -311,7 +311,8 @@ def test_engine_text_logprobs_and_endings_equal_with_speculation_on_and_off(engi
     if "stop" in params:  # a few characters from the middle of what it says after an echo prompt
         again = run(gather(off, [req(p, **base) for p in prompts]))
         params["stop"] = tuple(text[len(text) // 2:len(text) // 2 + 3] for text, _ in again if len(text) > 6)[:1]
-    before = run(on.call(lambda e: e.status()))["runner"]["spec_accepted_tokens"]
+    counters = run(on.call(lambda e: e.status()))["runner"]
+    before = counters["spec_proposed_tokens"], counters["spec_accepted_tokens"]
     results = {}
     for name, engine in engines.items():
         out = run(gather(engine, [req(p, **params) for p in prompts]))
@@ -320,7 +321,9 @@ def test_engine_text_logprobs_and_endings_equal_with_speculation_on_and_off(engi
                            for e in events]) for text, events in out]
     assert results["on"] == results["off"]
     runner = run(on.call(lambda e: e.status()))["runner"]
-    assert runner["spec_accepted_tokens"] > before
+    assert runner["spec_proposed_tokens"] > before[0]
+    if case not in ("repetition", "penalties"):  # penalties push the model off repeating its context
+        assert runner["spec_accepted_tokens"] > before[1]
     if "stop" in params:
         assert any(r[1].value == "stop" for r in results["on"])
 
