@@ -88,7 +88,10 @@ def test_the_same_events_as_the_engine_in_process(tiny_model_dir):
 
 def test_refusals_raise_the_engines_own_exceptions(tiny_model_dir):
     async def main() -> None:
-        cfg = config(tiny_model_dir, max_running=1, max_waiting=1, prefill_batch=1, max_tokens_limit=1000)
+        # Speculation off: the running request must still run when the third arrives (several tokens
+        # a step can finish its 400 within the wait below).
+        cfg = config(tiny_model_dir, max_running=1, max_waiting=1, prefill_batch=1, max_tokens_limit=1000,
+                     speculative="off")
         async with running(cfg) as engine:
             with pytest.raises(ContextLengthError, match="maximum context length"):
                 await events_of(engine, req("long", 10, max_tokens=engine.context_length))
