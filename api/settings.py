@@ -189,9 +189,13 @@ class AppSettings:
     fleet: FleetSettings = FleetSettings()  # routing over replicas and autoscaling (fleet/options.py)
     blas_preload: str | None = "auto"  # "auto": OpenBLAS on Linux when installed; a path; or null
     drain_s: float = 30.0
-    # Stream items/s each LLM server replica sends through Ray Serve, all streams together
-    # (deployments/engine_host.py StreamPacing); 0 sends one item per engine step per request.
-    stream_items_per_s: float = 1000.0
+    # Pacing of stream items through Ray Serve (deployments/engine_host.py StreamPacing): each stream
+    # sends at most one item every `stream_pacing_steps` engine steps (by time: a client sees its
+    # tokens within two steps however many streams run), and, if set, within a budget of
+    # `stream_items_per_s` items/s for all streams together (the rule before; 0: no budget). Both 0:
+    # one item per engine step per request.
+    stream_pacing_steps: float = 2.0
+    stream_items_per_s: float = 0.0
     # One Ray item per engine step from each LLM server replica to each ingress replica, carrying every
     # request's events (deployments/channels.py); false: one Ray stream item per request per send.
     step_channel: bool = True

@@ -32,11 +32,16 @@
 #          $OUT/ssd-<shape>.json, $OUT/logs-ssd.tgz.
 # breakdown: benchmarks/agent_breakdown.py under py-spy (the agent trace's turns in process, twice: the
 #          second pass under another cache salt, its shapes seen before). $OUT/breakdown.json, .pyspy.
+#          BREAKDOWN_FLAGS (e.g. "--engine cudnn_attention=true"), BREAKDOWN_TAG (a suffix for its files),
+#          BREAKDOWN_PYSPY=0 (no py-spy).
+# spec:    benchmarks/speculative.py (issue 34): speculation off / on in process on a real model
+#          (SPEC_MODEL, default /tmp/models/smollm2-real: the default model's directory, carried), code-edit,
+#          random and agent workloads at 1, 8, 32 (SPEC_LEVELS, SPEC_WORKLOADS, SPEC_ON, SPEC_TOKENS). $OUT/spec.log.
 # goals:   benchmarks/device_goals.py: the issue's ratios from whichever of those files $OUT holds (each
 #          part also prints its own). Each part runs under `timeout -s INT -k 45` (on the interrupt the
 #          benchmark stops its servers and keeps what it measured) and reports its time as "[part] N s".
 #          Two calls of <= 10 minutes: `agent` (worst 420 + 45 s), then `reuse,ssd,goals` (240 + 45 + 210 + 45 s).
-# Environment: NO_SSD=1 runs without the SSD tier (serve_config.yaml's ssd_dir: null) everywhere; SERVERS,
+# Environment: SIDE_TAG: a suffix for the 1b/smollm2 parts' files (two runs in one call). NO_SSD=1 runs without the SSD tier (serve_config.yaml's ssd_dir: null) everywhere; SERVERS,
 # LEVELS (concurrencies) and SIDE_FLAGS (e.g. --no-bare) narrow the side by side.
 # Results: $OUT/token_path.json, $OUT/side-<model>.json, $OUT/logs-<model>.tgz (few files: $OUT takes 8).
 set -uo pipefail
@@ -107,9 +112,16 @@ for what in ${1//,/ }; do
         --max-batch 128 --warm "${LEVELS:-1,8,32,128}" --docs "" --out "/tmp/side-$what" ${SIDE_FLAGS:-} \
         2>"/tmp/side-$what.stderr"
       mv "/tmp/side-$what.stderr" "/tmp/side-$what/logs/" 2>/dev/null
-      cp "/tmp/side-$what/results.json" "$OUTDIR/side-$what.json"
-      tar -czf "$OUTDIR/logs-$what.tgz" -C "/tmp/side-$what" logs
-      python3 -m benchmarks.device_http_report "$OUTDIR/side-$what.json" ;;
+      cp "/tmp/side-$what/results.json" "$OUTDIR/side-$what${SIDE_TAG:-}.json"
+      tar -czf "$OUTDIR/logs-$what${SIDE_TAG:-}.tgz" -C "/tmp/side-$what" logs
+      python3 -m benchmarks.device_http_report "$OUTDIR/side-$what${SIDE_TAG:-}.json" ;;
+    spec)  # issue 34: speculation off / on, engine in process, on a real model ($SPEC_MODEL: SmolLM2-135M-
+      # Instruct as Pomona serves it, 4-bit; its context raised to 16k for the agent turns, 5-8k tokens)
+      bounded "${SPEC_TIMEOUT:-360}" python3 -m benchmarks.speculative "${SPEC_MODEL:-/tmp/models/smollm2-real}" \
+        --concurrency "${SPEC_LEVELS:-1,8,32}" --workloads "${SPEC_WORKLOADS:-code-edit,random,agent}" \
+        --spec "${SPEC_ON:-{method: prompt_lookup}}" --max-tokens "${SPEC_TOKENS:-300}" >"$OUTDIR/spec.log" \
+        2>/tmp/spec.stderr || tail -c 2000 /tmp/spec.stderr
+      grep -v '^{' "$OUTDIR/spec.log" ;;
     agent)
       M=$(agent_model) || { echo "[agent] could not build the $SHAPE model"; continue; }
       run=/tmp/agent-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
@@ -122,10 +134,13 @@ for what in ${1//,/ }; do
       python3 -m benchmarks.device_goals --shape "$SHAPE" --agent "$OUTDIR/agent-$SHAPE.json" --only-given ;;
     breakdown)  # the agent turns in process (benchmarks/agent_breakdown.py) under py-spy: where a turn goes
       M=$(agent_model) || { echo "[breakdown] could not build the $SHAPE model"; continue; }
-      bounded "${BREAKDOWN_TIMEOUT:-240}" py-spy record -r 200 --threads -f raw -o "$OUTDIR/breakdown.pyspy" -- \
-        python3 -m benchmarks.agent_breakdown "$M" --passes 2 ${BREAKDOWN_FLAGS:-} >"$OUTDIR/breakdown.json" \
+      spy=(py-spy record -r 200 --threads -f raw -o "$OUTDIR/breakdown${BREAKDOWN_TAG:-}.pyspy" --)
+      [ "${BREAKDOWN_PYSPY:-1}" = 0 ] && spy=()
+      # shellcheck disable=SC2086
+      bounded "${BREAKDOWN_TIMEOUT:-240}" "${spy[@]}" \
+        python3 -m benchmarks.agent_breakdown "$M" --passes 2 ${BREAKDOWN_FLAGS:-} >"$OUTDIR/breakdown${BREAKDOWN_TAG:-}.json" \
         2>/tmp/breakdown.stderr || tail -c 2000 /tmp/breakdown.stderr
-      grep -h "^pass" "$OUTDIR/breakdown.json"; tail -1 "$OUTDIR/breakdown.json" | cut -c1-600 ;;
+      grep -h "^pass" "$OUTDIR/breakdown${BREAKDOWN_TAG:-}.json" ;;
     reuse)
       M=$(agent_model) || { echo "[reuse] could not build the $SHAPE model"; continue; }
       run=/tmp/reuse-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"

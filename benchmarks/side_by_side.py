@@ -35,7 +35,9 @@ from benchmarks.workloads import Suite, TextMaker, build, full_suite, quick_suit
 
 ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # Also runnable: "pomona-unpaced", Pomona sending one stream item per engine step per request
-# (stream_items_per_s: 0, as before deployments/engine_host.py paced its streams), and
+# (stream_items_per_s: 0 and stream_pacing_steps: 0, as before deployments/engine_host.py paced its
+# streams), and "pomona-budget", Pomona pacing by a budget of 1,000 items/s instead of by time (the
+# default before issue 35), and
 # "pomona-throughput", Pomona on Ray Serve's throughput-optimized mode with its HTTP proxy kept, and
 # "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream), and
 # "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false), and
@@ -49,9 +51,10 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
     """`max_batch`: sequences decoding together (Pomona's engine.max_running, mlx_lm.server's
     --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
-    if name in ("pomona", "pomona-unpaced", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
+    if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
                 "pomona-mlxlm"):
-        app_args = {"pomona-unpaced": {"stream_items_per_s": 0}, "pomona-nochannel": {"step_channel": False},
+        app_args = {"pomona-unpaced": {"stream_items_per_s": 0, "stream_pacing_steps": 0},
+                    "pomona-budget": {"stream_items_per_s": 1000, "stream_pacing_steps": 0}, "pomona-nochannel": {"step_channel": False},
                     "pomona-inproc": {"engine_process": False}}
         engine = {"max_running": max_batch} if max_batch else {}
         if name == "pomona-nofast":

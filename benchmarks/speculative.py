@@ -22,7 +22,7 @@ import asyncio
 import json
 import random
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 FILE = '''import csv
 import sys
@@ -98,6 +98,16 @@ def random_text_messages(i: int) -> list[dict[str, str]]:
 WORKLOADS = {"code-edit": code_edit_messages, "random": random_text_messages}
 
 
+def agent_turns(tokenizer: Any) -> Callable[[int], list[dict[str, str]]]:
+    """The agent session's turns 2-10 (benchmarks/agent_trace.py, 15-20k-token prompts with SmolLM2's
+    tokenizer) as chat messages, request i taking turn 2 + i % 9: the decode after a long context
+    that re-emits paths, names and code from it. Needs a context of ~21k tokens."""
+    from benchmarks.agent_trace import build_trace, chat_messages
+
+    trace = build_trace(lambda text: len(tokenizer.encode(text)))
+    return lambda i: chat_messages(trace, 2 + i % 9)
+
+
 async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) -> list[int]:
     from engine.types import Request, SamplingParams
 
@@ -155,7 +165,7 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
         for engine in engines.values():
             await engine.wait_ready()
         for workload in workloads:
-            make = WORKLOADS[workload]
+            make = agent_turns(tokenizer) if workload == "agent" else WORKLOADS[workload]
             for name, engine in engines.items():  # the shared prefix cached, kernels warm
                 await level(engine, chat_prompts(tokenizer, [make(10_000)]), 8, f"warm-{workload}-{name}", 1)
             for c in concurrencies:
@@ -200,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--repeats", type=int, default=1, help="runs per level and setting (the best is kept)")
     p.add_argument("--spec", default="auto", help='the "on" setting: auto or a YAML/JSON mapping')
-    p.add_argument("--workloads", default="code-edit,random")
+    p.add_argument("--workloads", default="code-edit,random", help="of code-edit, random, agent")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--per-level", type=int, default=2, help="requests per level, in units of its concurrency")
     p.add_argument("--quick", action="store_true", help="1 and 8 concurrent, 128 tokens (the 2-core CPU box)")

@@ -21,8 +21,11 @@ import contextvars
 import logging
 import os
 import socket
+import time
 import uuid
 from typing import Any
+
+from deployments.engine_host import StepClock
 
 log = logging.getLogger("pomona.ingress")
 
@@ -54,6 +57,9 @@ class StepChannels:
         self._inboxes: dict[str, Inbox] = {}
         self._bound: dict[str, str] = {}  # request id -> replica
         self._subscriptions: dict[str, asyncio.Task] = {}  # replica -> the task reading its channel
+        # One item per engine step arrives from each replica: their gaps are its step time as the
+        # clients see it, what time-based pacing (deployments/engine_host.py) waits in units of.
+        self._clocks: dict[str, StepClock] = {}
 
     def open(self, request_id: str) -> Inbox:
         """Where `request_id`'s event lists (or a ChannelLost) will arrive."""
@@ -78,6 +84,11 @@ class StepChannels:
         self._inboxes.pop(request_id, None)
         self._bound.pop(request_id, None)
 
+    def step_s(self, replica: str) -> float | None:
+        """`replica`'s step time as its channel delivers steps (None until two have arrived)."""
+        clock = self._clocks.get(replica)
+        return clock.step_s if clock is not None else None
+
     def running_on(self, replica: str) -> list[str]:
         return [rid for rid, r in self._bound.items() if r == replica]
 
@@ -85,8 +96,10 @@ class StepChannels:
         """Hand out the channel's items until it ends; reopen it if requests still run there."""
         error: BaseException | None = None
         stream = self._handle.channel.remote(self.key, replica=replica)  # keyword: the routers read it
+        clock = self._clocks.setdefault(replica, StepClock())
         try:
             async for item in stream:
+                clock.tick(time.monotonic())
                 if "wrong_replica" in item:
                     raise ChannelLost(f"replica {replica} is gone (the channel reached {item['wrong_replica']})")
                 for request_id, events in item.items():

@@ -56,21 +56,44 @@ class Outbox:
 
 @dataclass(frozen=True)
 class StreamPacing:
-    """How often one stream may send an item: its share of the replica's budget of items per second.
+    """How often one stream may send an item: by time (every `steps` engine steps), and optionally
+    within a replica-wide budget of items per second.
 
-    With `active` streams running, each sends at most one item every `active / items_per_s`
-    seconds (capped), carrying every token made meanwhile. One stream on a 50 ms step never waits;
-    128 streams on a 12 ms step send about 8 tokens an item. `items_per_s <= 0` turns pacing off:
-    one item per engine step per request, as fast as the engine makes them.
+    Each stream sends at most one item every `interval(active, step_s)` seconds, carrying every
+    token made meanwhile. By time, a client sees its new tokens within `steps` steps however many
+    streams run: at 128 streams on a 25 ms step, one item per stream every 50 ms. The budget
+    (`items_per_s`, all streams together) was the rule before: it let each of 128 streams send every
+    128 ms, five steps (H200, 1B: chunk gap p50 128 ms against a 25 ms step; issue 35), so it is
+    off by default and stays for a host whose Serve proxy cannot carry a stream per two steps.
+    Both 0: no pacing, one item per engine step per request, as fast as the engine makes them.
     """
 
     items_per_s: float = DEFAULT_STREAM_ITEMS_PER_S
     max_interval_s: float = MAX_PACING_INTERVAL_S
+    steps: float = 0.0
 
-    def interval(self, active: int) -> float:
-        if self.items_per_s <= 0:
-            return 0.0
-        return min(max(active, 1) / self.items_per_s, self.max_interval_s)
+    def interval(self, active: int, step_s: float | None = None) -> float:
+        """The wait between one stream's items; `step_s`: the engine's step time as the stream
+        sees it (None before it is known: no time rule yet)."""
+        by_time = self.steps * step_s if self.steps > 0 and step_s else 0.0
+        by_budget = max(active, 1) / self.items_per_s if self.items_per_s > 0 else 0.0
+        return min(max(by_time, by_budget), self.max_interval_s)
+
+
+class StepClock:
+    """The time between a replica's engine steps, as seen where their events arrive: an average of
+    the gaps between arrivals, gaps longer than `idle_s` (the engine was idle) left out."""
+
+    def __init__(self, idle_s: float = 0.5) -> None:
+        self.idle_s = idle_s
+        self.step_s: float | None = None
+        self._last: float | None = None
+
+    def tick(self, now: float) -> None:
+        if self._last is not None and 0 < now - self._last < self.idle_s:
+            gap = now - self._last
+            self.step_s = gap if self.step_s is None else 0.8 * self.step_s + 0.2 * gap
+        self._last = now
 
 
 class EngineHost:
@@ -167,7 +190,7 @@ class EngineHost:
     async def _paced(self, batches: AsyncIterator[Any]) -> AsyncIterator[list[dict[str, Any]]]:
         sent = time.monotonic()
         while True:
-            wait = sent + self.pacing.interval(self._active) - time.monotonic()
+            wait = sent + self.pacing.interval(self._active, self._step_s()) - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             try:
@@ -178,6 +201,11 @@ class EngineHost:
             yield [event_to_wire(e) for e in batch]
             if batch and batch[-1].finished:
                 return
+
+    def _step_s(self) -> float | None:
+        """The engine's own step time (its stats' moving average), for the per-request path."""
+        ms = self.engine.stats().get("step_time_ms") if hasattr(self.engine, "stats") else None
+        return ms / 1000.0 if isinstance(ms, (int, float)) and ms > 0 else None
 
     async def _pump(self, batches: AsyncIterator[Any], request_id: str, channel: str) -> None:
         """The request's events into its ingress's outbox, until its last one is there."""

@@ -110,15 +110,16 @@ class HandleBackend:
                 yield first
                 return
             finished = _finished(first["events"])
+            replica = first["replica"]
             if not finished:  # read the channel while the first events go out
-                channels.bind(request_id, first["replica"])
+                channels.bind(request_id, replica)
             yield first["events"]
             if finished:
                 return
             watcher = asyncio.ensure_future(_failures_into(responses, inbox))
             sent = time.monotonic()
             while not finished:
-                wait = sent + self._pacing.interval(self._active) - time.monotonic()
+                wait = sent + self._pacing.interval(self._active, channels.step_s(replica)) - time.monotonic()
                 if wait > 0 and not inbox.urgent.is_set():
                     try:  # paced, but the last event (or a failure) goes at once
                         await asyncio.wait_for(inbox.urgent.wait(), wait)
@@ -201,7 +202,7 @@ class Ingress:
         # the replica does not start, and Serve reports the message (no serving without the keys).
         keys = settings.key_ring()
         backend = HandleBackend(llm, step_channels=settings.step_channel,
-                                pacing=StreamPacing(settings.stream_items_per_s))
+                                pacing=StreamPacing(settings.stream_items_per_s, steps=settings.stream_pacing_steps))
         self._server = OpenAIServer(settings, backend, functools.partial(tokenizer_for, settings.model), keys=keys)
         backend.on_failover = self._server.metrics.failover
         log_keys(settings.served_name(), keys)

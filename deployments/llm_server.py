@@ -40,7 +40,7 @@ class LLMServer:
         self._status = ModelStatus.on_board(settings.served_name(), settings.engine.model)
         try:
             await self._status.prepare(settings.engine.model)
-            self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s),
+            self._host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s, steps=settings.stream_pacing_steps),
                                     process=settings.engine_process,
                                     replica_key=serve.get_replica_context().replica_id.unique_id)
             await self._host.start()

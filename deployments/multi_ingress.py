@@ -31,7 +31,7 @@ class MultiIngress:
         # Step channels where the deployment has one of our routers (each model's own LLM server);
         # the multiplexed deployment routes by model with Serve's router, which cannot pin them.
         servers = [OpenAIServer(s, HandleBackend(handle, step_channels=s.step_channel and s.served_name() not in multiplexed,
-                                                 pacing=StreamPacing(s.stream_items_per_s)),
+                                                 pacing=StreamPacing(s.stream_items_per_s, steps=s.stream_pacing_steps)),
                                 functools.partial(tokenizer_for, s.model), keys=keys)
                    for s, handle in zip(settings, handles)]
         self._front = ModelFront(servers)

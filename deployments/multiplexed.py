@@ -71,7 +71,7 @@ class MultiplexedLLMServer:
         status = ModelStatus.on_board(name, settings.engine.model)
         try:
             await status.prepare(settings.engine.model)
-            host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s),
+            host = EngineHost(settings.engine, pacing=StreamPacing(settings.stream_items_per_s, steps=settings.stream_pacing_steps),
                                     process=settings.engine_process)
             await host.start()
         except Exception as exc:

@@ -89,6 +89,12 @@ class EngineConfig:
     # docs/measurements.md) and on GPUs until measured there. Not on ring tables (max_kv_size) nor
     # on mlx-lm's BatchGenerator.
     speculative: str | SpecConfig = "auto"
+    # MLX's CUDA backend runs a prompt chunk's attention through cuDNN, which builds a plan for every
+    # new (query, key, mask) shape and stride: ~60 ms each on the H200, and a growing conversation
+    # meets a new shape on about half its turns. false: MLX's own attention ops instead (no plan,
+    # the scores materialised); "auto": false on CUDA (engine/mlx_settings.py says what chose it).
+    # No effect on Metal or the CPU, where MLX builds no per-shape plans.
+    cudnn_attention: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -115,6 +121,8 @@ class EngineConfig:
         if self.direct_first_token is not None and self.direct_first_token != "auto" and (
                 not isinstance(self.direct_first_token, int) or self.direct_first_token < 1):
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
+        if self.cudnn_attention not in (True, False, "auto"):
+            raise ValueError('engine.cudnn_attention must be true, false or "auto"')
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))

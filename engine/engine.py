@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from cache_tiers.store import NullStore, PrefixStore
 from engine.config import EngineConfig
+from engine import mlx_settings
 from engine.memory import MemoryAccount, kv_bytes_per_token
 from engine.runner import Generated, PromptProgress
 from engine.sampling import make_decoding, top_logprobs
@@ -41,6 +42,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
+        mlx_settings.apply(config)  # before the first forward: MLX reads these once
         self.runner = make_runner(model, config)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event

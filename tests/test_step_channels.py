@@ -323,3 +323,20 @@ def test_routers_pin_channel_calls_to_the_replica_they_name() -> None:
     assert pinned([a, b, c], _pending("generate")) is None
     assert pinned([a, b, c], None) is None
     assert pinned([], _pending("channel", replica="b")) == [] and pinned([], None) == []
+
+
+def test_the_ingress_paces_by_the_steps_its_channel_delivers(engine: Any) -> None:
+    """Time pacing: the ingress measures the replica's step from its channel's items and sends each
+    stream an item every `steps` of them, however few streams run (no item budget involved)."""
+    async def items(pacing: StreamPacing, rid: str) -> tuple[list[list[dict[str, Any]]], float | None]:
+        backend = HandleBackend(FakeReplica(_host(engine)), step_channels=True, pacing=pacing)
+        got = await asyncio.wait_for(_all(backend.stream([3, 1, 4], _params(max_tokens=64), rid)), 60)
+        return got, backend._channels.step_s("r1")  # noqa: SLF001 - our own class
+
+    every_step, step_s = asyncio.run(items(UNPACED, "every-step"))
+    paced, _ = asyncio.run(items(StreamPacing(items_per_s=0, steps=4.0, max_interval_s=5.0), "by-time"))
+    assert step_s is not None and step_s > 0
+    assert sum(e["token"] is not None for i in paced for e in i) == 64
+    # About one item a step unpaced (fewer where a step speculates several tokens), about one every
+    # 4 steps paced.
+    assert len(paced) <= 64 / 2 and len(every_step) >= 1.5 * len(paced), (len(every_step), len(paced))

@@ -78,3 +78,35 @@ def test_client_leaving_while_paced_aborts_the_request(engine: Any) -> None:
 
     assert asyncio.run(leave_early()) == 0
     assert host.active_streams == 0
+
+
+def test_time_pacing_waits_a_number_of_steps_whatever_the_streams() -> None:
+    pacing = StreamPacing(items_per_s=0, steps=2.0, max_interval_s=0.2)
+    assert pacing.interval(1, 0.025) == pytest.approx(0.05)
+    assert pacing.interval(128, 0.025) == pytest.approx(0.05)  # not a share of a budget: 128 streams wait as one
+    assert pacing.interval(128, None) == 0.0  # step unknown yet: no wait
+    assert pacing.interval(128, 0.5) == pytest.approx(0.2)  # capped
+    # With a budget too, the longer of the two waits.
+    assert StreamPacing(items_per_s=1000.0, steps=2.0).interval(128, 0.025) == pytest.approx(0.128)
+    assert StreamPacing(items_per_s=1000.0, steps=2.0).interval(8, 0.025) == pytest.approx(0.05)
+
+
+def test_the_step_clock_averages_arrival_gaps_and_skips_idle_ones() -> None:
+    from deployments.engine_host import StepClock
+
+    clock = StepClock(idle_s=0.5)
+    assert clock.step_s is None
+    for t in (0.0, 0.02, 0.04, 0.06):
+        clock.tick(t)
+    assert clock.step_s == pytest.approx(0.02)
+    clock.tick(5.0)  # idle: not a step
+    assert clock.step_s == pytest.approx(0.02)
+    clock.tick(5.1)
+    assert clock.step_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.1)
+
+
+def test_the_default_settings_pace_by_time() -> None:
+    from api.settings import AppSettings
+
+    settings = AppSettings()
+    assert settings.stream_pacing_steps == 2.0 and settings.stream_items_per_s == 0.0
