@@ -1,4 +1,6 @@
-"""The sole owner of mlx-lm's `BatchGenerator`, through its public API only.
+"""The `Runner` (engine/runner.py) on mlx-lm's `BatchGenerator`: its sole owner, through its public
+API only. The reference the own step (engine/step/) is tested against, and the fallback for models
+that step cannot run (engine/runner_choice.py).
 
 The runner executes; it decides nothing. It maps between Pomona's request ids and the generator's
 integer uids, and can throw the whole batch state away and start clean after a fault.
@@ -8,72 +10,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import llama
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
+from engine.forward import last_logits
+from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress
 from engine.sampling import Decoding
 
 log = logging.getLogger("pomona.engine")
-
-# Called with the prompt tokens a prefill has covered and the cache there (to offer a checkpoint).
-Checkpoint = Callable[[int, list[Any]], None]
-
-# A direct prefill runs alone (the batch waits for all of it anyway), so it is cut only to bound
-# one pass's memory, at mlx-lm's own prefill step: `prefill_chunk` (256 on the CPU, to interleave
-# decode steps with batched prefill) would cost a KV-buffer growth per chunk and leave a short
-# last chunk (an agent's 281-token tool result: 256 + 25).
-DIRECT_PREFILL_CHUNK = 2048
-
-
-@dataclass(frozen=True)
-class PromptProgress:
-    request_id: str
-    done: int
-    total: int
-    end_of_prompt: bool
-
-
-class Generated(NamedTuple):  # a tuple, not a frozen dataclass: one per token, built every step
-    request_id: str
-    token: int
-    logprobs: Any  # mx.array over the vocabulary
-    finish_reason: str | None  # "stop" or "length" from mlx-lm
-    cache: list[Any] | None  # prompt + output cache, on the final response only
-    tokens: list[int] | None  # the tokens `cache` covers
-
-
-def last_logits(model: Any, inputs: mx.array, cache: list[Any]) -> mx.array:
-    """The logits of the last input position, (batch, vocab), after running all of `inputs` into `cache`."""
-    return logits_at(model, inputs, cache, [(b, inputs.shape[1] - 1) for b in range(inputs.shape[0])])
-
-
-def logits_at(model: Any, inputs: mx.array, cache: list[Any], at: list[tuple[int, int]]) -> mx.array | None:
-    """The logits at (row, position) pairs, (len(at), vocab), after running all of `inputs` into `cache`
-    (None when `at` is empty: the forward only fills the cache).
-
-    Why: a full call projects every position onto the vocabulary and MLX does not push a slice back
-    through the matmul, so `model(inputs)[:, -1]` pays the head for the whole rest of the prompt
-    (SmolLM2-135M, 66 positions on the CPU: ~40 ms of a ~300 ms prefill). mlx-lm's llama `Model` is
-    its body and then the head, so the two are called apart here; other architectures (whose call
-    may scale or cap logits) take the full call.
-    """
-    rows = mx.array([r for r, _ in at], dtype=mx.int32)
-    positions = mx.array([p for _, p in at], dtype=mx.int32)
-    if type(model) is llama.Model:
-        hidden = model.model(inputs, cache=cache)
-        if not at:
-            return None
-        head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
-        return head(hidden[rows, positions][:, None, :])[:, 0, :]
-    logits = model(inputs, cache=cache)
-    return logits[rows, positions] if at else None
 
 
 def bounded_window(model: Any, max_kv_size: int | None) -> int | None:
@@ -86,7 +35,9 @@ def bounded_window(model: Any, max_kv_size: int | None) -> int | None:
     return max_kv_size if caches and all(isinstance(c, RotatingKVCache) for c in caches) else None
 
 
-class Runner:
+class BatchGeneratorRunner:
+    """`engine_step: mlx_lm`: the batch is mlx-lm's `BatchGenerator`."""
+
     def __init__(self, model: Any, config: EngineConfig) -> None:
         config = config.for_backend(mx.default_device() == mx.cpu)
         self._model = model
@@ -233,7 +184,7 @@ class Runner:
         return {"kind": "mlx_lm"}
 
     def speculation(self, request_id: str) -> dict[str, int]:
-        """No speculation on mlx-lm's BatchGenerator (engine/step_runner.py has it)."""
+        """No speculation on mlx-lm's BatchGenerator (the own step has it: engine/step/speculative.py)."""
         return {}
 
     def close(self) -> None:

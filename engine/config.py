@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from cache_tiers.config import CacheConfig
-from engine.speculative import SpecConfig, parse_speculative
+from engine.step.speculative import SpecConfig, parse_speculative
 
 
 CPU_PREFILL_CHUNK = 256

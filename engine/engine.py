@@ -16,12 +16,12 @@ import mlx.core as mx
 from cache_tiers.store import NullStore, PrefixStore
 from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
-from engine.runner import Generated, PromptProgress
+from engine.runner import Generated, PromptProgress, Runner
+from engine.runner_choice import make_runner
 from engine.sampling import make_decoding, top_logprobs
 from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.step_runner import make_runner
 from engine.text import TextStream, TokensOnly, text_in_engine
 from engine.types import FinishReason, Request, RequestStatus, TokenEvent, TokenLogprob
 
@@ -41,7 +41,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.store: PrefixStore = store or NullStore()
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
-        self.runner = make_runner(model, config)
+        self.runner: Runner = make_runner(model, config)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
         self._prefilling: dict[str, Sequence] = {}  # admitted, prompt not yet fully processed
