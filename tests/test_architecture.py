@@ -208,3 +208,18 @@ def test_a_ray_import_behind_the_engine_host_is_reported(tmp_path: Path) -> None
     (tmp_path / "api" / "wire.py").write_text("import ray.serve\n")
     assert reaches("deployments.engine_worker", "ray", tmp_path) == \
         ["deployments.engine_worker -> api.wire -> ray.serve"]
+
+
+# -- the own step is one room ---------------------------------------------------------------------
+STEP_DOORS = {"engine.runner_choice", "engine.config"}  # make_runner; the speculation settings
+
+
+def test_only_the_runner_choice_and_the_config_reach_into_the_own_step() -> None:
+    """The engine sees the own step through the `Runner` protocol (engine/runner.py): outside
+    engine/step/ only `make_runner`'s module and the config (which parses `engine.speculative`)
+    import from it. Benchmarks may import everything."""
+    found = [f"{m} imports {sorted(d for d in deps if d.startswith('engine.step.'))}"
+             for m, deps in import_graph().items()
+             if not m.startswith(("engine.step", "benchmarks")) and m not in STEP_DOORS
+             and any(d.startswith("engine.step.") for d in deps)]
+    assert not found, "\n".join(found)
