@@ -156,6 +156,10 @@ class Engine:
         self.store.tick()  # hands the SSD what earlier steps offered: computed by now, nothing waits
         plan = self.scheduler.schedule(self.view(), self.store.find) if len(self.scheduler) else SchedulerOutput()
         direct = sum(1 for a in plan.admit if a.direct)
+        if not expired and not direct:
+            return plan  # the common step: no copy of the plan
+        # This plan's direct admissions count as planned: one whose cached prefix reads short when
+        # it starts (`_admit`) joins the batched prefill but still counts towards the run's limit.
         return replace(plan, expired=tuple(expired),
                        batch_waits=direct > 0 and self._direct_run + direct < self.config.prefill_batch)
 
