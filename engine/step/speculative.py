@@ -8,7 +8,7 @@ differs from what was sampled before it (`accepted`), plus that sample. For gree
 exact. For sampled ones it is the speculative-sampling rule for a point-mass proposal: accepting
 proposal x when a draw y ~ p equals x happens with probability p(x), and otherwise the draw y is a
 sample of p with x removed and renormalised (P(y = z | y != x) = p(z) / (1 - p(x))), so the output
-has the distribution of sampling without speculation (tests/test_speculative.py checks it with a
+has the distribution of sampling without speculation (tests/engine/test_speculative.py checks it with a
 chi-squared test).
 
 Proposals come from prompt lookup: the request's own prompt and output, indexed by the n-grams that
