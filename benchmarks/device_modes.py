@@ -203,7 +203,7 @@ class EngineSession:
     def _profile_timers(self, rec: StepRecorder, stack: contextlib.ExitStack) -> None:
         """Pomona's parts, the detokenizer its `TextStream` uses, and mlx-lm's step (outside in)."""
         from engine.engine import Engine
-        from engine.runner import Runner
+        from engine.batch_generator import BatchGeneratorRunner as Runner
         from engine.text import TextStream
 
         self.model.rec = rec

@@ -45,7 +45,7 @@ GEN: dict[str, float] = {}  # the running BatchGenerator's own counters (prompt_
 def install_counters() -> None:
     """Count, on the MLX thread, what differs between the two processes' steps (wrappers only)."""
     from engine.loop import AsyncEngine
-    from engine.runner import Runner
+    from engine.batch_generator import BatchGeneratorRunner as Runner
 
     handle_commands, handle, stats = AsyncEngine._handle_commands, AsyncEngine._handle, AsyncEngine.stats
 
@@ -89,7 +89,7 @@ def install_counters() -> None:
     AsyncEngine._handle_commands, AsyncEngine._handle, AsyncEngine.stats = _handle_commands, _handle, _stats
     Runner.step = counted(Runner.step)
     try:
-        from engine.step_runner import StepRunner
+        from engine.step.step_runner import StepRunner
     except ImportError:
         return
     StepRunner.step = counted(StepRunner.step)

@@ -29,7 +29,7 @@ def counters(stats: Mapping[str, Any]) -> dict[str, float]:
     out = {"steps": float(stats.get("steps", 0)), "tokens": float(stats.get("generation_tokens_total", 0)),
            "prompt_tokens": float(stats.get("prompt_tokens_total", 0))}
     out.update({k: float(times.get(k, 0.0)) for k in KINDS})
-    runner = stats.get("runner") or {}  # the own step's (engine/step_runner.py) counters, in process only
+    runner = stats.get("runner") or {}  # the own step's (engine/step/step_runner.py) counters, in process only
     out.update({f"runner_{k}": float(v) for k, v in runner.items() if isinstance(v, (int, float))})
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from cache_tiers.config import CacheConfig
-from engine.speculative import SpecConfig, parse_speculative
+from engine.step.speculative import SpecConfig, parse_speculative
 
 
 CPU_PREFILL_CHUNK = 256
@@ -23,7 +23,7 @@ class SchedulingPolicy(str, enum.Enum):
 class EngineConfig:
     model: str = "default"
     max_running: int = 32  # sequences decoding together
-    # "pomona": the engine's own batched step (engine/step_runner.py): prompts fed in chunks inside
+    # "pomona": the engine's own batched step (engine/step/step_runner.py): prompts fed in chunks inside
     # decode steps, a KV table of reusable rows; models it cannot run fall back to "mlx_lm"
     # (mlx-lm's BatchGenerator, the reference), logged once.
     engine_step: str = "pomona"
@@ -82,7 +82,7 @@ class EngineConfig:
     checkpoint_every: int | str | None = "auto"
     memory_budget_bytes: int | None = None  # one account for running KV + the RAM cache tier
     cache: CacheConfig = CacheConfig()
-    # Speculative decoding in the own step (engine/speculative.py): "off", "auto" or a mapping
+    # Speculative decoding in the own step (engine/step/speculative.py): "off", "auto" or a mapping
     # (method: prompt_lookup | draft, max_tokens: proposals a row verifies per step, ngram_max,
     # ngram_min, draft_model: a same-tokenizer model's path for method draft).
     # "auto": prompt lookup where it was measured to pay (the CPU while at most 4 rows decode,

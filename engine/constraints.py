@@ -120,7 +120,7 @@ class GrammarConstraint:
         else:
             log.warning("grammar matcher refused token %d: %s", token, self._matcher.get_error())
 
-    # -- speculative steps (engine/step_runner.py): positions that may be rejected ---------------
+    # -- speculative steps (engine/step/step_runner.py): positions that may be rejected ---------------
     def snapshot(self) -> tuple[bool, bool, bool, int]:
         """The state before a call, for `restore` when the call's position is rejected."""
         return self._started, self._thinking, self._may_think, self._consumed

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import mlx.core as mx
 
 from cache_tiers.store import NullStore, PrefixStore
-from engine.config import EngineConfig
 from engine import mlx_settings
+from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
-from engine.runner import Generated, PromptProgress
+from engine.runner import Generated, PromptProgress, Runner
+from engine.runner_choice import make_runner
 from engine.sampling import make_decoding, top_logprobs
 from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
 from engine.sequence import Sequence
 from engine.stats import EngineStats
-from engine.step_runner import make_runner
 from engine.text import TextStream, TokensOnly, text_in_engine
 from engine.types import FinishReason, Request, RequestStatus, TokenEvent, TokenLogprob
 
@@ -43,7 +44,7 @@ class Engine:
         self.store: PrefixStore = store or NullStore()
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
         mlx_settings.apply(config)  # before the first forward: MLX reads these once
-        self.runner = make_runner(model, config)
+        self.runner: Runner = make_runner(model, config)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
         self._prefilling: dict[str, Sequence] = {}  # admitted, prompt not yet fully processed
@@ -128,7 +129,23 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Schedule, start the admitted, run the batch once, update from its output.
+        """Schedule, run the batch once (unless the plan says it waits), update from its output."""
+        started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
+        plan = self.schedule()
+        decoding = len(self.runner) > len(self._prefilling)
+        events = list(plan.expired) + self._start(plan)
+        if plan.batch_waits:
+            return events
+        try:
+            prompts, generated = self.run()
+        except Exception as exc:  # contain the fault: fail this batch, keep serving
+            return events + self._recover(exc)
+        self.stats.record_step(time.perf_counter() - started, len(generated), decoding)
+        return events + self.update_from_output(prompts, generated)
+
+    def schedule(self) -> SchedulerOutput:
+        """The step's plan: the scheduler's admissions, with the requests that ran out of time
+        (aborted first) and whether the batch waits this step.
 
         After a direct first-token admission the batch waits (up to `prefill_batch` such admissions
         in a row): those first tokens go out at once, and prefix hits that arrived during that
@@ -137,23 +154,24 @@ class Engine:
         """
         # Per-step Python runs between forward passes; on a GPU it adds to every step, so work
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
-        events = self._expire() if self._clock() >= self._next_expiry else []
+        expired = self._expire() if self._clock() >= self._next_expiry else []
         self.store.tick()  # hands the SSD what earlier steps offered: computed by now, nothing waits
-        decoding = len(self.runner) > len(self._prefilling)
-        started = time.perf_counter()  # a direct first-token prefill stalls the batch too: count it
         plan = self.scheduler.schedule(self.view(), self.store.find) if len(self.scheduler) else SchedulerOutput()
-        events += self._start(plan)
-        if plan.direct and self._direct_run < self.config.prefill_batch:
-            return events
+        direct = sum(1 for a in plan.admit if a.direct)
+        if not expired and not direct:
+            return plan  # the common step: no copy of the plan
+        # This plan's direct admissions count as planned: one whose cached prefix reads short when
+        # it starts (`_admit`) joins the batched prefill but still counts towards the run's limit.
+        return replace(plan, expired=tuple(expired),
+                       batch_waits=direct > 0 and self._direct_run + direct < self.config.prefill_batch)
+
+    def run(self) -> tuple[list[PromptProgress], list[Generated]]:
+        """The batch's step; the direct first-token run it ends starts again."""
         self._direct_run = 0
-        try:
-            prompts, generated = self.runner.step()
-        except Exception as exc:  # contain the fault: fail this batch, keep serving
-            return events + self._recover(exc)
-        self.stats.record_step(time.perf_counter() - started, len(generated), decoding)
-        return events + self.update_from_output(prompts, generated)
+        return self.runner.step()
 
     def _start(self, plan: SchedulerOutput) -> list[TokenEvent]:
+        """Start what the plan admits (the runner's inserts; a direct admission's prefill runs here)."""
         events: list[TokenEvent] = []
         for admission in plan.admit:
             events += self._admit(admission)

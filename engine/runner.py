@@ -1,26 +1,24 @@
-"""The sole owner of mlx-lm's `BatchGenerator`, through its public API only.
+"""The seam between the engine and whatever runs the batch: the declared `Runner` protocol and the
+records that cross it.
 
-The runner executes; it decides nothing. It maps between Pomona's request ids and the generator's
-integer uids, and can throw the whole batch state away and start clean after a fault.
+Two runners implement it: Pomona's own batched step (engine/step/step_runner.py, `StepRunner`,
+`engine_step: pomona`) and mlx-lm's `BatchGenerator` (engine/batch_generator.py,
+`BatchGeneratorRunner`, `engine_step: mlx_lm`, the reference and the fallback). The engine
+(engine/engine.py) sees only this protocol; engine/runner_choice.py's `make_runner` picks one.
+A runner executes and decides nothing: the scheduler has already chosen who runs.
+
+Why a declared protocol rather than a base class: the two share no code (one drives mlx-lm's
+generator, the other its own KV table), and a `Protocol` lets tests check that both keep the same
+surface (tests/engine/test_runner_protocol.py) without coupling their implementations.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
-
-import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import llama
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from engine.checkpoints import CheckpointPolicy
-from engine.config import EngineConfig
 from engine.sampling import Decoding
-
-log = logging.getLogger("pomona.engine")
 
 # Called with the prompt tokens a prefill has covered and the cache there (to offer a checkpoint).
 Checkpoint = Callable[[int, list[Any]], None]
@@ -28,7 +26,7 @@ Checkpoint = Callable[[int, list[Any]], None]
 # A direct prefill runs alone (the batch waits for all of it anyway), so it is cut only to bound
 # one pass's memory, at mlx-lm's own prefill step: `prefill_chunk` (256 on the CPU, to interleave
 # decode steps with batched prefill) would cost a KV-buffer growth per chunk and leave a short
-# last chunk (an agent's 281-token tool result: 256 + 25).
+# last chunk (an agent's 281-token tool result: 256 + 25). Both runners cut their direct prefill here.
 DIRECT_PREFILL_CHUNK = 2048
 
 
@@ -49,197 +47,48 @@ class Generated(NamedTuple):  # a tuple, not a frozen dataclass: one per token, 
     tokens: list[int] | None  # the tokens `cache` covers
 
 
-def last_logits(model: Any, inputs: mx.array, cache: list[Any]) -> mx.array:
-    """The logits of the last input position, (batch, vocab), after running all of `inputs` into `cache`."""
-    return logits_at(model, inputs, cache, [(b, inputs.shape[1] - 1) for b in range(inputs.shape[0])])
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine asks of the batch. Every call runs on the engine's MLX thread."""
 
-
-def logits_at(model: Any, inputs: mx.array, cache: list[Any], at: list[tuple[int, int]]) -> mx.array | None:
-    """The logits at (row, position) pairs, (len(at), vocab), after running all of `inputs` into `cache`
-    (None when `at` is empty: the forward only fills the cache).
-
-    Why: a full call projects every position onto the vocabulary and MLX does not push a slice back
-    through the matmul, so `model(inputs)[:, -1]` pays the head for the whole rest of the prompt
-    (SmolLM2-135M, 66 positions on the CPU: ~40 ms of a ~300 ms prefill). mlx-lm's llama `Model` is
-    its body and then the head, so the two are called apart here; other architectures (whose call
-    may scale or cap logits) take the full call.
-    """
-    rows = mx.array([r for r, _ in at], dtype=mx.int32)
-    positions = mx.array([p for _, p in at], dtype=mx.int32)
-    if type(model) is llama.Model:
-        hidden = model.model(inputs, cache=cache)
-        if not at:
-            return None
-        head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
-        return head(hidden[rows, positions][:, None, :])[:, 0, :]
-    logits = model(inputs, cache=cache)
-    return logits[rows, positions] if at else None
-
-
-def bounded_window(model: Any, max_kv_size: int | None) -> int | None:
-    """`max_kv_size` where mlx-lm's caches for `model` honour it (rotating caches), else None: a
-    model with its own `make_cache` (llama among them) gets unbounded caches from mlx-lm whatever
-    `max_kv_size` says, and must be accounted for in full."""
-    if max_kv_size is None:
-        return None
-    caches = make_prompt_cache(model, max_kv_size)
-    return max_kv_size if caches and all(isinstance(c, RotatingKVCache) for c in caches) else None
-
-
-class Runner:
-    def __init__(self, model: Any, config: EngineConfig) -> None:
-        config = config.for_backend(mx.default_device() == mx.cpu)
-        self._model = model
-        self._config = config
-        self._generator = self._new_generator()
-        # Where prefills stop for checkpoints (the engine asks `checkpoints.due`); a hybrid
-        # model's prompts are fed in segments that end there.
-        self.checkpoints = CheckpointPolicy.for_model(model, config)
-        self.kv_window = bounded_window(model, config.max_kv_size)
-        self._uid_to_id: dict[int, str] = {}
-        self._id_to_uid: dict[str, int] = {}
-
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
-            self._model,
-            completion_batch_size=self._config.max_running,
-            prefill_batch_size=self._config.prefill_batch,
-            prefill_step_size=self._config.prefill_chunk,
-            max_kv_size=self._config.max_kv_size,
-        )
+    # Where prefills stop for checkpoints (the engine asks `checkpoints.due`).
+    checkpoints: CheckpointPolicy
+    # The most KV positions one sequence keeps (a bounded, rotating cache); None: all of them.
+    kv_window: int | None
 
     def __len__(self) -> int:
-        return len(self._uid_to_id)
+        """Sequences in the batch (prefilling and decoding)."""
 
     def insert(self, request_id: str, tokens: Sequence[int], cached: Sequence[int], cache: list[Any] | None,
                decoding: Decoding, max_tokens: int) -> None:
         """Start `tokens` (the uncached rest of the prompt) on top of `cache`, which covers `cached`."""
-        [uid] = self._generator.insert_segments(
-            [self.checkpoints.segments(tokens, len(cached))],
-            max_tokens=[max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[list(cached)] if cached else None,
-            samplers=[decoding.sampler],
-            logits_processors=[list(decoding.logits_processors)],
-            stop_sequences=[decoding.stop_sequences],
-        )
-        self._uid_to_id[uid] = request_id
-        self._id_to_uid[request_id] = uid
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,
                                  on_checkpoint: Checkpoint | None = None) -> Generated:
-        """Prefill `tokens` on top of `cache` (covering `cached`) outside the batch, sample the first
-        output token now, and continue the request in the batch unless that token ends it.
-
-        mlx-lm returns a new prompt's first token three `next()` calls after its insertion, each
-        carrying the running batch's decode step; this returns it after one forward pass over
-        `tokens`. The request then joins the batch as a one-token prompt (its first token) on the
-        prefilled cache, so the rest of its output comes from `BatchGenerator` as usual. The first
-        token goes through the same logits processors and sampler, with the same context (the
-        whole prompt), as mlx-lm would give it. A hybrid model's prefill stops at its checkpoint
-        positions (`checkpoints.segments`) and hands `on_checkpoint(tokens covered, cache)` the cache
-        there, as the batch path's prompt progress does.
-        """
-        prompt = list(cached) + list(tokens)
-        cache = cache if cache is not None else make_prompt_cache(self._model, self._config.max_kv_size)
-        token, logprobs = self._prefill_and_sample(tokens, prompt, cache, decoding, on_checkpoint)
-        # Pomona's stop sequences are single tokens (stop strings are matched on text), so a fresh
-        # matcher decides whether the first token is one.
-        reason = "stop" if decoding.stop_sequences.matcher().advance(token) else None
-        if reason is None and max_tokens <= 1:
-            reason = "length"
-        if reason is not None:  # finished at its first token: the cache covers the prompt
-            return Generated(request_id, token, logprobs, reason, cache, prompt)
-        self.insert(request_id, [token], prompt, cache, decoding, max_tokens - 1)
-        return Generated(request_id, token, logprobs, None, None, None)
-
-    def _prefill_and_sample(self, tokens: Sequence[int], prompt: list[int], cache: list[Any],
-                            decoding: Decoding, on_checkpoint: Checkpoint | None) -> tuple[int, mx.array]:
-        with mx.stream(self._generator.stream):  # ordered after the batch's work in flight
-            last = self._prefill_all_but_last(tokens, len(prompt) - len(tokens), cache, on_checkpoint)
-            logits = last_logits(self._model, mx.array(last)[None], cache)
-            if decoding.logits_processors:
-                context = mx.array(prompt)
-                for process in decoding.logits_processors:
-                    logits = process(context, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = decoding.sampler(logprobs)
-            mx.eval(sampled, logprobs)
-        return int(sampled.item()), logprobs[0]
-
-    def _prefill_all_but_last(self, tokens: Sequence[int], start: int, cache: list[Any],
-                              on_checkpoint: Checkpoint | None) -> list[int]:
-        """Run `tokens` (prompt positions from `start`) into `cache` but for the last piece, which
-        is returned: in pieces that bound one pass's memory and end at checkpoint positions."""
-        chunk = max(self._config.prefill_chunk, DIRECT_PREFILL_CHUNK)
-        segments = self.checkpoints.segments(tokens, start)
-        pieces = [segment[i:i + chunk] for segment in segments for i in range(0, len(segment), chunk)]
-        stops = set(itertools.accumulate((len(s) for s in segments[:-1]), initial=start))
-        position = start
-        for piece in pieces[:-1]:
-            self._model(mx.array(piece)[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            position += len(piece)
-            if on_checkpoint is not None and position in stops:
-                on_checkpoint(position, cache)
-        return pieces[-1]
+        """Prefill the whole rest now (the batch waits) and return the first token; unless that
+        token ends the request, it decodes with the batch from the next step."""
 
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
-        prompt_responses, generation_responses = self._generator.next()
-        prompts = [
-            PromptProgress(self._uid_to_id[r.uid], r.progress[0], r.progress[1], r.end_of_prompt)
-            for r in prompt_responses if r.uid in self._uid_to_id
-        ]
-        generated = []
-        for r in generation_responses:
-            request_id = self._uid_to_id.get(r.uid)
-            if request_id is None:
-                continue
-            if r.finish_reason is not None:
-                self._forget(r.uid)
-            generated.append(Generated(request_id, r.token, r.logprobs, r.finish_reason, r.prompt_cache,
-                                       r.all_tokens))
-        return prompts, generated
+        """Run the batch once: prompt progress and the tokens generated."""
 
     def extract(self, request_id: str) -> tuple[list[Any], list[int]] | None:
         """A copy of a running request's cache and the tokens it covers (for the prefix store)."""
-        uid = self._id_to_uid.get(request_id)
-        if uid is None:
-            return None
-        return self._generator.extract_cache([uid]).get(uid)
 
     def remove(self, request_id: str, return_cache: bool = False) -> tuple[list[Any], list[int]] | None:
-        uid = self._id_to_uid.get(request_id)
-        if uid is None:
-            return None
-        caches = self._generator.remove([uid], return_prompt_caches=return_cache)
-        self._forget(uid)
-        return caches.get(uid)
+        """Drop a request from the batch; with `return_cache`, its cache and the tokens it covers."""
 
     def reset(self) -> list[str]:
-        """Drop every sequence and start a clean generator; returns the ids that were dropped."""
-        dropped = list(self._id_to_uid)
-        self._generator.close()
-        self._generator = self._new_generator()
-        self._uid_to_id.clear()
-        self._id_to_uid.clear()
-        return dropped
+        """Drop every sequence and start clean (after a fault); returns the ids that were dropped."""
 
     def cache_nbytes(self) -> int:
-        return self._generator.prompt_cache_nbytes
+        """Bytes the batch's KV state holds."""
 
     def counters(self) -> dict[str, Any]:
-        return {"kind": "mlx_lm"}
+        """The runner's counters for the step report (`kind` names the runner)."""
 
     def speculation(self, request_id: str) -> dict[str, int]:
-        """No speculation on mlx-lm's BatchGenerator (engine/step_runner.py has it)."""
-        return {}
+        """A running request's proposed and accepted tokens ({} when it does not speculate)."""
 
     def close(self) -> None:
-        self._generator.close()
-
-    def _forget(self, uid: int) -> None:
-        request_id = self._uid_to_id.pop(uid, None)
-        if request_id is not None:
-            self._id_to_uid.pop(request_id, None)
+        """Release the batch."""

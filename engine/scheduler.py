@@ -27,7 +27,7 @@ from typing import Callable
 
 from cache_tiers.store import Match
 from engine.config import EngineConfig, SchedulingPolicy
-from engine.types import OverloadedError, Request
+from engine.types import OverloadedError, Request, TokenEvent
 
 Find = Callable[[tuple[int, ...], str], "Match | None"]  # (prompt tokens, cache salt)
 
@@ -77,7 +77,19 @@ class Admission:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """One step's plan. `Scheduler.schedule` fills `admit`; the engine's own `schedule`
+    (`Engine.schedule`) adds what only it knows of the step: the requests that ran out of time,
+    and whether the batch runs this step at all."""
+
     admit: tuple[Admission, ...] = ()
+    # The final events of requests past their deadline (`request_timeout_s`), checked at most every
+    # `EXPIRY_CHECK_S`: they are aborted before the plan is made, so none of them is admitted or
+    # counted in the batch the plan sees.
+    expired: tuple[TokenEvent, ...] = ()
+    # The batch does not run this step: a direct first-token admission just ran its prefill while
+    # the batch waited, and prefix hits that arrived meanwhile join the batch before its next
+    # decode step (at most `prefill_batch` such admissions in a row).
+    batch_waits: bool = False
 
     @property
     def direct(self) -> bool:

@@ -110,7 +110,7 @@ class FastBPEStreamingDetokenizer:
     here each vocabulary entry's bytes are computed once per tokenizer and shared by all requests
     (on a GPU the per-token Python cost of the engine decides throughput at high concurrency).
     Its own class, not a subclass: it keeps its pending bytes itself instead of writing mlx-lm's
-    private state. tests/test_text.py compares the two on every token.
+    private state. tests/engine/test_text.py compares the two on every token.
     """
 
     def __init__(self, slow: BPEStreamingDetokenizer) -> None:

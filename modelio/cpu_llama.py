@@ -38,7 +38,7 @@ log = logging.getLogger("pomona.models")
 # within a millisecond and the MLX path avoids a synchronisation per layer.
 FAST_ATTENTION_MAX_QUERIES = 1
 # Queries per sequence up to which a short context (under FAST_SOFTMAX_MIN_KEYS keys) takes MLX's
-# attention too: a speculative step's verified proposals (engine/step_runner.py).
+# attention too: a speculative step's verified proposals (engine/step/step_runner.py).
 FEW_QUERIES = 16
 # Keys from which a decode call takes the fast softmax; below, MLX's own SDPA. Measured on the
 # 2-core box, whole decode steps of the default model interleaved with mlx-lm's (fast / mlx-lm):

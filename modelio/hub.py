@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from modelio.cache_root import cache_dir, file_lock
+
 log = logging.getLogger("pomona.models")
 
 Progress = Callable[[int, "int | None"], None]  # (bytes done, bytes total or None)
@@ -63,8 +65,6 @@ def allow_patterns(weights: bool = True) -> list[str]:
 
 
 def lock_path(ref: HubRef) -> Path:
-    from modelio.models import cache_dir
-
     return cache_dir() / "locks" / f"hub-{ref.repo_id.replace('/', '--')}.lock"
 
 
@@ -210,8 +210,6 @@ def resolve(name: str, report: Progress | None = None, weights: bool = True) -> 
     """The cached snapshot of a hub id, downloading it (once per host) when it is not cached."""
     from huggingface_hub import is_offline_mode
 
-    from modelio.models import file_lock
-
     ref = HubRef.parse(name)
     found = cached(ref, weights)
     if found is not None:
@@ -228,8 +226,6 @@ def resolve(name: str, report: Progress | None = None, weights: bool = True) -> 
 def pull(name: str, report: Progress | None = None) -> Path:
     """Download (or bring up to date) a hub model ahead of serving: `pomona models pull ID`."""
     from huggingface_hub import is_offline_mode
-
-    from modelio.models import file_lock
 
     ref = HubRef.parse(name)
     if is_offline_mode():

@@ -12,8 +12,6 @@ times slower there than OpenBLAS-backed float32 GEMM (see docs / platform notes)
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -26,11 +24,12 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from modelio.cache_root import cache_dir, file_lock
 from modelio.gguf import convert_gguf
 
 log = logging.getLogger("pomona.models")
@@ -61,12 +60,6 @@ class LoadedModel:
 
 # ---------------------------------------------------------------------------------------------
 # Resolving names
-
-
-def cache_dir() -> Path:
-    """Pomona's cache root: $POMONA_CACHE_DIR, else ~/.cache/pomona."""
-    env = os.environ.get("POMONA_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pomona"
 
 
 def _looks_like_path(name: str) -> bool:
@@ -114,18 +107,6 @@ def resolve_model(name: str, report: Callable[[int, int | None], None] | None = 
 
 # ---------------------------------------------------------------------------------------------
 # The default model: GGUF from a PyPI wheel, converted once
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock; the OS drops it if the holder dies, so a crash never wedges it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _is_current(target: Path) -> bool:

@@ -6,12 +6,18 @@
 - Model I/O never imports the engine: it resolves, converts and loads models for whoever asks.
 - No module imports a private name of mlx, mlx-lm or Ray, or reaches into one through an
   attribute (`module._name`): their private parts change without notice between releases.
+- No import circles between the project's modules, counting imports inside functions and under
+  `TYPE_CHECKING`: a circle means two rooms are one, or a type sits in the wrong one.
+- The engine host layer (the Serve replica's engine host, the engine process's parent side, the
+  wire between them and the engine worker process) never imports Ray, not even through what it
+  imports: the engine worker is a plain Python process, started and tested without Ray.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -87,3 +93,133 @@ def test_a_broken_rule_is_reported(tmp_path: Path, source: str, expected: str) -
     (tmp_path / "engine" / "bad.py").write_text(source)
     found = violations(tmp_path / "engine" / "bad.py", root=tmp_path)
     assert any(expected in v for v in found), found
+
+
+# -- import circles ------------------------------------------------------------------------------
+def module_names(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the project's packages by dotted name (a package by its own name)."""
+    found = {}
+    for path in (p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(name: str, path: Path) -> Iterator[str]:
+    """The dotted names `name` (at `path`) imports, anywhere in it: module level, inside functions,
+    under `TYPE_CHECKING`; relative imports resolved; `from a import b` yields `a` and `a.b`."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
+    modules = module_names(root)
+    return {name: {m for m in imported(name, path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    found = circles(import_graph())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_an_import_circle_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "engine" / "step").mkdir(parents=True)
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "step" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "step" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.step.b import B\n")
+    (tmp_path / "engine" / "step" / "b.py").write_text("def f():\n    from . import a\n")
+    (tmp_path / "engine" / "c.py").write_text("import engine.step.a\n")
+    assert circles(import_graph(tmp_path)) == [["engine.step.a", "engine.step.b"]]
+
+
+# -- the engine host layer runs without Ray -------------------------------------------------------
+ENGINE_HOST = ("deployments.engine_host", "deployments.engine_process", "deployments.engine_ipc",
+               "deployments.engine_worker")
+
+
+def reaches(start: str, library: str, root: Path = ROOT) -> list[str]:
+    """Import chains from `start` through project modules to `library` (empty: none)."""
+    modules = module_names(root)
+    graph = import_graph(root)
+    chains, seen, todo = [], {start}, [[start]]
+    while todo:
+        chain = todo.pop()
+        names = set(imported(chain[-1], modules[chain[-1]]))
+        chains += [" -> ".join(chain + [n]) for n in sorted(names) if n.split(".")[0] == library]
+        for m in sorted(graph[chain[-1]] - seen):
+            seen.add(m)
+            todo.append(chain + [m])
+    return chains
+
+
+@pytest.mark.parametrize("module", ENGINE_HOST)
+def test_the_engine_host_layer_never_imports_ray(module: str) -> None:
+    found = reaches(module, "ray")
+    assert not found, "\n".join(found)
+
+
+def test_a_ray_import_behind_the_engine_host_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "deployments" / "engine_worker.py").write_text("def main():\n    from api.wire import pack\n")
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "wire.py").write_text("import ray.serve\n")
+    assert reaches("deployments.engine_worker", "ray", tmp_path) == \
+        ["deployments.engine_worker -> api.wire -> ray.serve"]
+
+
+# -- the own step is one room ---------------------------------------------------------------------
+STEP_DOORS = {"engine.runner_choice", "engine.config"}  # make_runner; the speculation settings
+
+
+def test_only_the_runner_choice_and_the_config_reach_into_the_own_step() -> None:
+    """The engine sees the own step through the `Runner` protocol (engine/runner.py): outside
+    engine/step/ only `make_runner`'s module and the config (which parses `engine.speculative`)
+    import from it. Benchmarks may import everything."""
+    found = [f"{m} imports {sorted(d for d in deps if d.startswith('engine.step.'))}"
+             for m, deps in import_graph().items()
+             if not m.startswith(("engine.step", "benchmarks")) and m not in STEP_DOORS
+             and any(d.startswith("engine.step.") for d in deps)]
+    assert not found, "\n".join(found)

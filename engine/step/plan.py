@@ -1,4 +1,5 @@
-"""Slots and the per-step token budget of Pomona's own batched step (engine/step_runner.py).
+"""The own step's plan (engine/step/step_runner.py): which rows ("slots") are in use, and each step's
+token budget: who decodes and which prompt chunks are fed.
 
 Imports no MLX, so the policy is tested with no model at all.
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POSITION_BLOCK_GPU = 256  # key-length bucket and growth step on a GPU
-POSITION_BLOCK_CPU = 64  # on a CPU attention over padded keys costs real compute: finer buckets
 # A prefill always advances by at least this much per step. Small, so that a tight stall bound can be
 # kept where a token costs a lot: on the 2-core box each prompt token in a decoding step's forward
 # adds ~4 ms to a ~100 ms step (8 tokens: 1.3x, 16: 1.6x).

@@ -30,13 +30,25 @@ tokens in temporal order at consecutive positions, as `BatchRotatingKVCache.merg
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-if TYPE_CHECKING:  # slot_cache imports this module
-    from engine.slot_cache import SlotKV
+
+class LayerHeads(Protocol):
+    kv_heads: int  # a layer's KV heads: each row holds this many rows of the layer's arrays
+
+
+class RingTable(Protocol):
+    """What the rings read and write of the KV table (engine/step/kv_table.py's `SlotKV`), declared
+    here so this module needs nothing of the table's: per layer, keys and values of shape
+    (rows x heads, slots, head dim), each row's ring its first `window` slots."""
+
+    shapes: Sequence[LayerHeads]
+    window: int
+    keys: list[mx.array]
+    values: list[mx.array]
 
 
 class RingPlan:
@@ -111,7 +123,7 @@ def ring_ranges(window: int, n: int, length: int) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def write_ring(kv: "SlotKV", row: int, cache: list[Any], n: int) -> None:
+def write_ring(kv: RingTable, row: int, cache: list[Any], n: int) -> None:
     """Put a restored cache covering n tokens into `row`'s ring: its last min(n, W) tokens."""
     for i, (s, c) in enumerate(zip(kv.shapes, cache)):
         keys, values = temporal(c, n)
@@ -123,7 +135,7 @@ def write_ring(kv: "SlotKV", row: int, cache: list[Any], n: int) -> None:
             kv.values[i][lo:hi, first:end] = values[:, at:at + end - first]
 
 
-def extract_ring(kv: "SlotKV", row: int, n: int) -> list[RotatingKVCache]:
+def extract_ring(kv: RingTable, row: int, n: int) -> list[RotatingKVCache]:
     """`row`'s last min(n, W) tokens (positions up to n - 1, the last written) as mlx-lm
     `RotatingKVCache`s in token order, as `BatchRotatingKVCache.extract` gives them: keep 0, the
     absolute offset n. Copies, so no view of the table outlives the step."""

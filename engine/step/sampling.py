@@ -1,4 +1,4 @@
-"""Logits processors and sampling for the own step's rows (engine/step_runner.py).
+"""Logits processors and sampling for the own step's rows (engine/step/step_runner.py).
 
 A slot here is the step runner's per-sequence record: its `decoding` (sampler, processors),
 `context` (the tokens its processors see, on the device) and `known` tokens.

@@ -1,22 +1,22 @@
-"""Pomona's own batched step: the `Runner` interface (engine/runner.py) on mlx-lm's public model API.
+"""Pomona's own batched step: the `Runner` protocol (engine/runner.py) on mlx-lm's public model API.
 
 What it does differently from mlx-lm's `BatchGenerator` (the reference, `engine_step: mlx_lm`):
 - a newcomer's prompt is fed in chunks inside the running batch's steps, within the step's token
-  budget (engine/slots.py), instead of steps of its own that stall every running sequence;
+  budget (engine/step/plan.py), instead of steps of its own that stall every running sequence;
 - its first token is sampled from its last prompt chunk, and it decodes with the batch from the
   next step on: no batch-of-one decode and merge;
-- the KV cache is a table of reusable rows (engine/slot_cache.py): nothing is rebuilt when a
+- the KV cache is a table of reusable rows (engine/step/kv_table.py): nothing is rebuilt when a
   sequence joins or leaves.
 
 A step is: plan (who decodes, which prompt chunks), build the forwards and the sampling lazily,
 start them (`mx.async_eval`), then read back the *previous* step's tokens while this one runs, as
 `BatchGenerator` does; a sequence's input is the token sampled for it the step before, still on
-the device. Everything runs on the engine's MLX thread.
+the device. Everything runs on the engine's MLX thread. Where a CPU's step and a GPU's differ,
+the step reads one record chosen at start-up (engine/step/backend.py), never the device itself.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Sequence
 
@@ -25,53 +25,20 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
-from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress, Runner, logits_at
+from engine.forward import logits_at
+from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress
 from engine.sampling import Decoding
-from engine.slot_cache import Batch, SlotKV, flat_views, layer_shapes, supports_flat
-from engine.draft import DraftProposer, check_vocab, load_draft
-from engine.speculative import SpecConfig, accepted, new_state, resolve
-from engine.step_state import Slot, Work, merge
-from engine.step_sampling import first_token, process_logits, sample, sample_positions
-from engine.slots import (MIN_PREFILL_TOKENS, POSITION_BLOCK_CPU, POSITION_BLOCK_GPU, SlotTable, StallBudget,
-                          plan_prefill, round_up, row_bucket)
+from engine.step.backend import StepBackend, prefill_shape, step_backend
+from engine.step.draft import DraftProposer, check_vocab, load_draft
+from engine.step.kv_table import Batch, SlotKV, flat_views, layer_shapes, supports_flat
+from engine.step.plan import MIN_PREFILL_TOKENS, SlotTable, StallBudget, plan_prefill, round_up, row_bucket
+from engine.step.records import Slot, Work, merge
+from engine.step.sampling import first_token, process_logits, sample, sample_positions
+from engine.step.speculative import SpecConfig, accepted, new_state, resolve
 
-log = logging.getLogger("pomona.engine")
-
-# What a step costs apart from its positions, in positions (the acceptance floor of a proposal,
-# `StepRunner._proposals`). The 2-core box, SmolLM2-135M float32: a decode step of one row ~60 ms,
-# each further position (a decoding row or a verified proposal) ~5-6 ms (8 rows ~118 ms, 8 rows
-# plus 8 proposals ~153-200 ms): about 8-10 positions' worth. A GPU step is bound by the host
-# building it (H200, 1B: 4.3 ms for 1 row, 7.6 ms for 32): positions are nearly free until hundreds.
-SPEC_FIXED_POSITIONS_CPU = 8
-SPEC_FIXED_POSITIONS_GPU = 256
 FLAT_EXTRA_POSITIONS = 4  # what a CPU flat forward's parts cost beyond a plain forward, in positions
 SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
 SPEC_MIN_FLOOR = 0.1
-# Most decoding rows with which a CPU step still verifies proposals. On the 2-core box (SmolLM2-135M,
-# CPU seconds per token, closed loop of 16 requests at 8 concurrent) proposals at 8 rows gained 15%
-# on the code-edit workload and lost 12% on random text though 84% of them were accepted: a
-# verifying step's forward costs ~28 ms more than a plain one there (its extra parts) on top of
-# ~7 ms a position; at 1 row they gained 1.3-2.3x.
-SPEC_MAX_ROWS_CPU = 4  # a verifying step does not overlap the previous one: some floor on any backend
-_told: set[str] = set()  # fallback reasons already logged
-
-
-def make_runner(model: Any, config: EngineConfig) -> "StepRunner | Runner":
-    """The step `config.engine_step` names; "pomona" falls back to mlx-lm's for models it cannot run."""
-    if config.engine_step == "mlx_lm":
-        return Runner(model, config)
-    reason = unsupported(model, config)
-    if reason is None:
-        try:
-            runner = StepRunner(model, config)
-            runner.self_check()
-            return runner
-        except Exception as exc:  # an architecture whose attention does not take the table's views
-            reason = f"its forward failed on the batch table ({type(exc).__name__}: {exc})"
-    if reason not in _told:
-        _told.add(reason)
-        log.warning("engine_step pomona cannot run this model: %s; using mlx-lm's BatchGenerator", reason)
-    return Runner(model, config)
 
 
 def width_groups(slots: list[Slot], widths: list[int]) -> list[list[Slot]]:
@@ -88,55 +55,39 @@ def width_groups(slots: list[Slot], widths: list[int]) -> list[list[Slot]]:
 
 
 def unsupported(model: Any, config: EngineConfig) -> str | None:
+    """Why this step cannot run `model` (None: it can): its table holds plain attention KV only."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {"KVCache"}:  # with max_kv_size, these become rings (engine/ring_cache.py)
+    if kinds != {"KVCache"}:  # with max_kv_size, these become rings (engine/step/rings.py)
         return f"its layers need {', '.join(sorted(kinds))} caches, not only KVCache"
     return None
 
 
-def prefill_shape(tokens: int, start: int, block: int) -> tuple[int, int]:
-    """A GPU prefill forward's (query width, key length) for `tokens` new tokens after `start`,
-    from a few buckets: the width a multiple of `block`, the key length a multiple of an eighth of
-    its next power of two (at least `block`). Why: on MLX's CUDA backend the first forward of a
-    shape cost an agent's turn ~90 ms more than the same shape again (H200, smollm2 shape, 15-20k
-    tokens: engine TTFT 143-201 ms the first time, 54-85 ms under another cache salt;
-    benchmarks/agent_breakdown.py), and every turn of a growing conversation has a shape of its
-    own. Padding is masked (queries past a row's tokens are never read, keys past its length never
-    attended) and costs a GPU little: at most an eighth more keys and a block more queries.
-    Measured (H200 agent session, benchmarks/results/device-s16/): these buckets, later turns
-    84-204 ms over HTTP (median 0.59x mlx_lm.server); widths in powers of two instead, 92-254 ms
-    (0.82x): wider chunks cost more than the shapes they spared. A session still meets a new
-    (width, key length) pair on about 4 of 9 later turns (engine TTFT 105-129 ms there against
-    42-59 ms on the others): a first-use cost of MLX's CUDA backend."""
-    width = round_up(max(1, tokens), block)
-    end = start + width
-    step = max(block, (1 << max(end - 1, 1).bit_length()) // 8)
-    return width, round_up(end, step)
-
-
 class StepRunner:
+    """`engine_step: pomona`: a `Runner` (engine/runner.py) on the own batched step."""
+
     def __init__(self, model: Any, config: EngineConfig, on_cpu: bool | None = None) -> None:
         """`on_cpu`: which backend's step to build (None: the default device's); False on a CPU runs
         the GPU's step there (padded, bucketed shapes), which tests use to check it."""
         self._model = model
-        self._on_cpu = mx.default_device() == mx.cpu if on_cpu is None else on_cpu
-        self._config = config = config.for_backend(self._on_cpu)
+        on_cpu = mx.default_device() == mx.cpu if on_cpu is None else on_cpu
+        self._backend: StepBackend = step_backend(on_cpu, flat_supported=supports_flat(model))
+        self._config = config = config.for_backend(self._backend.on_cpu)
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self.kv_window = config.max_kv_size  # every row is a ring of this many positions when set
         self._shapes = layer_shapes(model)
         self._stall = StallBudget(config.max_decode_stall)
-        self._block = POSITION_BLOCK_CPU if self._on_cpu else POSITION_BLOCK_GPU
-        self._flat = self._on_cpu and supports_flat(model)  # decode and prompt chunks in one forward
+        self._block = self._backend.position_block
+        self._flat = self._backend.flat  # decode and prompt chunks in one forward
         # For the step report: prompt tokens fed, host time building steps, time waiting for a
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
         self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0, "rows_reused": 0}
         self._shapes_seen: set[tuple[int, ...]] = set()
-        # Speculation (engine/speculative.py). Not on ring tables (max_kv_size): a rejected
+        # Speculation (engine/step/speculative.py). Not on ring tables (max_kv_size): a rejected
         # position's write lands in a ring slot that still holds a position the row's later
         # tokens attend to, and the table keeps no copy to roll back to.
         self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
-            else resolve(config.speculative, self._on_cpu)
+            else resolve(config.speculative, self._backend.on_cpu)
         self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
         self._draft: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft":
@@ -206,7 +157,7 @@ class StepRunner:
                                  on_checkpoint: Checkpoint | None = None) -> Generated:
         """Feed the whole rest now (the batch waits) and return the first token; the request decodes
         with the batch from the next step. `on_checkpoint` is for hybrid models, which this step
-        does not run (engine/runner.py's `make_runner` keeps them on `BatchGenerator`)."""
+        does not run (engine/runner_choice.py's `make_runner` keeps them on `BatchGenerator`)."""
         self.insert(request_id, tokens, cached, cache, decoding, max_tokens)
         slot = self._slots[request_id]
         with mx.stream(self._stream):
@@ -299,7 +250,7 @@ class StepRunner:
         if self._inflight is not None and self._inflight.verified:
             return True
         decoding = [s for s in self._slots.values() if not s.prefilling]
-        if self._on_cpu and len(decoding) > SPEC_MAX_ROWS_CPU:  # none may propose: keep the overlap
+        if self._crowded(len(decoding)):  # none may propose: keep the overlap
             return False
         return any(not s.spec.adaptive.waiting for s in decoding)
 
@@ -312,11 +263,11 @@ class StepRunner:
         # The acceptance chance a proposed position must have to pay for itself: it costs about
         # 1 / (rows + fixed) of the step (`fixed`: the step's cost not per position, in positions),
         # and the step emits about `rows` tokens.
-        fixed = SPEC_FIXED_POSITIONS_CPU if self._on_cpu else SPEC_FIXED_POSITIONS_GPU
+        fixed = self._backend.spec_fixed_positions
         floor = max(SPEC_MIN_FLOOR, len(decode) / (len(decode) + fixed))
         # On a CPU a verifying step also costs its forward's extra parts, and with more rows
         # decoding the proposals measured a net loss (docs/measurements.md): none past a few rows.
-        crowded = self._on_cpu and len(decode) > SPEC_MAX_ROWS_CPU
+        crowded = self._crowded(len(decode))
         for s in decode:
             k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
             if not speculate or crowded or k <= 0:
@@ -328,6 +279,11 @@ class StepRunner:
             if proposals:
                 out[s] = proposals
         return out
+
+    def _crowded(self, decoding: int) -> bool:
+        """Whether so many rows decode that none may propose (`StepBackend.spec_max_rows`)."""
+        limit = self._backend.spec_max_rows
+        return limit is not None and decoding > limit
 
     def _start(self, speculate: bool = False) -> Work | None:
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
@@ -371,7 +327,7 @@ class StepRunner:
     def _decode_batch(self, decode: list[Slot]) -> tuple[Batch, mx.array]:
         """The decode forward's rows (every row of the table in use, one token each) and inputs."""
         self._grow(self._table.span, max(s.length for s in self._slots.values()) + 2)
-        count = row_bucket(self._table.span, self._kv.rows, self._on_cpu)
+        count = row_bucket(self._table.span, self._kv.rows, on_cpu=self._backend.exact_rows)
         # Rows that do not decode (free, prefilling, done) write their step's garbage at the table's
         # last position, which no sequence reaches (`_grow` keeps one spare), and are left out of
         # the key length, so a long prompt being fed does not lengthen every decode's attention.
@@ -486,7 +442,7 @@ class StepRunner:
         """Rows feeding their last token and proposals (`counts` tokens each) at their lengths,
         padded to the longest; on a GPU to the most a row may feed (one shape whatever the
         proposals), with the key length bucketed as a decode's."""
-        width = max(counts) if self._on_cpu else self.speculative.max_tokens + 1
+        width = self.speculative.max_tokens + 1 if self._backend.fixed_verify_width else max(counts)
         self._grow(self._table.span, max(s.length + width + 1 for s in slots))
         keys_len = self._keys_len(max(s.length + width for s in slots))
         return Batch(self._kv, [s.length for s in slots], width, [s.row for s in slots], keys_len, counts)
@@ -513,7 +469,7 @@ class StepRunner:
         """A forward's key length: on a GPU bucketed (each new shape is a compile), on a CPU exact,
         so no padded key costs compute and a one-row chunk's mask is plain causal
         (`RowsView.make_mask`)."""
-        return end if self._on_cpu else round_up(end, self._block)
+        return end if self._backend.exact_keys else round_up(end, self._block)
 
     @staticmethod
     def _advance(chunks: list[tuple[Slot, int]]) -> None:
@@ -527,7 +483,7 @@ class StepRunner:
         """Feed prompt chunks; a chunk that ends its prompt samples the first token. On a GPU the
         chunks go in one forward (padded to the longest), on a CPU one forward each (padding
         would cost a CPU real compute)."""
-        groups = [chunks[i:i + 1] for i in range(len(chunks))] if self._on_cpu else [chunks]
+        groups = [chunks] if self._backend.prefill_together else [chunks[i:i + 1] for i in range(len(chunks))]
         return self._prefilled(chunks, [first for group in groups for first in self._prefill_group(group)])
 
     def _prefilled(self, chunks: list[tuple[Slot, int]],
@@ -547,7 +503,7 @@ class StepRunner:
     def _prefill_group(self, group: list[tuple[Slot, int]]) -> list[tuple[Slot, tuple[mx.array, mx.array]]]:
         width = max(n for _, n in group)
         starts = [s.length for s, _ in group]
-        if self._on_cpu or self.kv_window is not None:
+        if not self._backend.bucketed_prefill or self.kv_window is not None:
             keys_len = self._keys_len(max(a + width for a in starts)) if len(group) == 1 \
                 else round_up(max(a + width for a in starts), self._block)
         else:  # a GPU: shapes from a few buckets (see prefill_shape)
@@ -572,9 +528,10 @@ class StepRunner:
             if read is not None and not read.prefill_tokens and self._last_read is not None \
                     and not (built is not None and built.prefill_tokens):
                 self._stall.record(ended - self._last_read, 0, read.decoding)
-        elif self._on_cpu and built is not None:
-            self._stall.record(call_s, built.prefill_tokens, built.decoding)
-        elif not self._on_cpu and read is not None and self._last_read is not None:
+        elif self._backend.runs_while_built:
+            if built is not None:
+                self._stall.record(call_s, built.prefill_tokens, built.decoding)
+        elif read is not None and self._last_read is not None:
             self._stall.record(ended - self._last_read, read.prefill_tokens, read.decoding)
         self._last_read = ended if read is not None else None
 

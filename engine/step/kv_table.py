@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.ring_cache import RingPlan, extract_ring, write_ring
-from engine.slots import round_up
+from engine.step.plan import round_up
+from engine.step.rings import RingPlan, extract_ring, write_ring
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def layer_shapes(model: Any) -> list[LayerShape]:
 
 class SlotKV:
     """Every layer's keys and values for `rows` sequences of up to `capacity` positions; with a
-    `window`, each row is a ring of that many slots (engine/ring_cache.py) plus the scratch slot."""
+    `window`, each row is a ring of that many slots (engine/step/rings.py) plus the scratch slot."""
 
     def __init__(self, shapes: list[LayerShape], block: int, window: int | None = None) -> None:
         self.shapes = shapes

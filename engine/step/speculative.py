@@ -1,4 +1,4 @@
-"""Speculative decoding for the own step (engine/step_runner.py): what to propose, and how many.
+"""Speculative decoding for the own step (engine/step/step_runner.py): what to propose, and how many.
 
 Imports no MLX, so the policy is tested with no model at all.
 
@@ -8,7 +8,7 @@ differs from what was sampled before it (`accepted`), plus that sample. For gree
 exact. For sampled ones it is the speculative-sampling rule for a point-mass proposal: accepting
 proposal x when a draw y ~ p equals x happens with probability p(x), and otherwise the draw y is a
 sample of p with x removed and renormalised (P(y = z | y != x) = p(z) / (1 - p(x))), so the output
-has the distribution of sampling without speculation (tests/test_speculative.py checks it with a
+has the distribution of sampling without speculation (tests/engine/test_speculative.py checks it with a
 chi-squared test).
 
 Proposals come from prompt lookup: the request's own prompt and output, indexed by the n-grams that
@@ -64,7 +64,7 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
 
 # Where `auto` turns speculation on: only where it was measured to pay. Measured on the 2-core box
 # (docs/measurements.md, issue 34): prompt lookup pays on the CPU for one stream (1.4-2.3x) and a few;
-# past 4 decoding rows the step runner proposes nothing there (engine/step_runner.py,
+# past 4 decoding rows the step runner proposes nothing there (engine/step/backend.py,
 # SPEC_MAX_ROWS_CPU). Not measured on a GPU yet (the session's H200 time went to the prefix-cache
 # work): off there until it is, since a step that verifies gives up overlapping its build with the
 # previous step, which a host-bound GPU step relies on (`python -m benchmarks.speculative MODEL` on
@@ -129,7 +129,7 @@ class Adaptive:
     `q` estimates the chance that a proposal stands given that the ones before it did (decayed
     counts of accepted and tried positions), so proposal j stands with chance q**j. The step gives a
     `floor`: the acceptance chance a proposed token needs to pay for the position it adds to the
-    forward (engine/step_runner.py: on a CPU a position costs about what a decoding row does, so
+    forward (engine/step/step_runner.py: on a CPU a position costs about what a decoding row does, so
     the floor rises with the batch; on a GPU a step's positions are nearly free). k is the largest
     j with q**j >= floor (at most `limit`); when q falls under the floor, proposals stop for
     `backoff` steps, doubling each time, then one probe. A request whose output is not in its

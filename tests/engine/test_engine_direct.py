@@ -17,7 +17,7 @@ from cache_tiers.factory import build_store
 from cache_tiers.config import CacheConfig
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.runner import last_logits
+from engine.forward import last_logits
 from engine.types import FinishReason, Request, SamplingParams, TokenEvent
 from engine_helpers import tiny_loader
 

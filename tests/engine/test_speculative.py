@@ -1,4 +1,4 @@
-"""Speculative decoding in the own step (engine/speculative.py, engine/step_runner.py): the same
+"""Speculative decoding in the own step (engine/step/speculative.py, engine/step/step_runner.py): the same
 greedy tokens, log-probabilities and endings as without it, whatever the proposals; the sampled
 acceptance rule keeps the target distribution; the policy pieces on their own."""
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.config import EngineConfig
-from engine.runner import Runner
+from engine.batch_generator import BatchGeneratorRunner as Runner  # mlx-lm's: the reference
 from engine.sampling import make_decoding
-from engine.speculative import Adaptive, PromptLookup, SpecConfig, accepted, parse_speculative
-from engine.step_runner import StepRunner
+from engine.step.speculative import Adaptive, PromptLookup, SpecConfig, accepted, parse_speculative
+from engine.step.step_runner import StepRunner
 from engine.types import SamplingParams
 from modelio.cpu_llama import accelerate
 from test_step_runner import Job, assert_same, drive
@@ -171,9 +171,9 @@ def test_sampled_acceptance_reproduces_the_target_distribution():
     (accepted with probability p'(x), else drawn from the rest renormalised), and the token after
     an accepted proposal is distributed as its own position's target."""
     from engine.sampling import make_request_sampler
-    from engine.speculative import new_state
-    from engine.step_sampling import sample_positions
-    from engine.step_state import Slot
+    from engine.step.records import Slot
+    from engine.step.sampling import sample_positions
+    from engine.step.speculative import new_state
 
     p0 = [0.05, 0.25, 0.30, 0.10, 0.20, 0.10]
     p1 = [0.40, 0.04, 0.06, 0.30, 0.09, 0.11]
@@ -395,8 +395,8 @@ def test_draft_model_proposals_match_without_speculation(model, tiny_model_dir, 
 def test_a_draft_proposes_after_a_rejection_what_a_fresh_draft_would(model):
     """The draft's cache drops what it consumed past the accepted tokens: after proposals that were
     partly rejected, its next proposals equal those of a draft fed the known tokens afresh."""
-    from engine.draft import DraftProposer
-    from engine.speculative import new_state
+    from engine.step.draft import DraftProposer
+    from engine.step.speculative import new_state
 
     rng = random.Random(3)
     known = [rng.randrange(1, model.args.vocab_size) for _ in range(30)]

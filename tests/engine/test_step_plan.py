@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from engine.slots import (MIN_PREFILL_TOKENS, Chunk, SlotTable, StallBudget, plan_prefill, round_up,
+from engine.step.plan import (MIN_PREFILL_TOKENS, Chunk, SlotTable, StallBudget, plan_prefill, round_up,
                           row_bucket)
 
 

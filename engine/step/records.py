@@ -1,4 +1,4 @@
-"""The own step's per-sequence and per-step records (engine/step_runner.py)."""
+"""The own step's per-sequence and per-step records (engine/step/step_runner.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from engine.runner import PromptProgress
 from engine.sampling import Decoding
-from engine.speculative import SpecState
+from engine.step.speculative import SpecState
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class Slot:
     sampled: int = 0  # output tokens sampled, in-flight ones included
     generated: int = 0  # output tokens read back
     context: mx.array | None = None  # prompt + outputs, for logits processors
-    spec: SpecState | None = None  # speculation (engine/speculative.py), None when off
+    spec: SpecState | None = None  # speculation (engine/step/speculative.py), None when off
 
     @property
     def prefilling(self) -> bool:

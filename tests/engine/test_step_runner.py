@@ -1,4 +1,4 @@
-"""Pomona's own step (engine/step_runner.py) against mlx-lm's BatchGenerator (engine/runner.py), the
+"""Pomona's own step (engine/step/step_runner.py) against mlx-lm's BatchGenerator (engine/batch_generator.py), the
 reference: the same greedy tokens, log-probabilities and endings for prompts of mixed lengths that
 arrive at any step, leave early, stop on a token, or start from a cached prefix."""
 
@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from engine.config import EngineConfig
-from engine import step_runner
-from engine.runner import Runner
+from engine import runner_choice as step_runner  # where make_runner's `_told` lives
+from engine.batch_generator import BatchGeneratorRunner as Runner  # mlx-lm's: the reference
+from engine.runner_choice import make_runner
 from engine.sampling import make_decoding
-from engine.slot_cache import FlatView
-from engine.step_runner import StepRunner, make_runner
+from engine.step.kv_table import FlatView
+from engine.step.step_runner import StepRunner
 from engine.types import SamplingParams
 from modelio.cpu_llama import accelerate
 from engine_helpers import collect, make_engine, request, run
@@ -335,8 +336,8 @@ def test_bounded_kv_chunks_padded_into_one_forward_match_chunks_fed_alone(model)
     """The GPU's prefill puts several prompt chunks in one forward, padded to the longest (the
     2-core box's CPU path never does). The padding, and a chunk's tokens pushed out of its own
     window, must not land in a ring: logits and rings equal feeding each chunk alone."""
-    from engine.runner import logits_at
-    from engine.slot_cache import Batch, SlotKV, layer_shapes
+    from engine.forward import logits_at
+    from engine.step.kv_table import Batch, SlotKV, layer_shapes
 
     rng = random.Random(10)
     history = [[rng.randrange(1, 400) for _ in range(n)] for n in (40, 10)]
@@ -396,7 +397,7 @@ def gpu_shaped(model, config):
 def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):
     """A GPU prefill pads its query width to a multiple of the position block and its key length
     to an eighth of the next power of two: the padding is never attended, outputs match."""
-    from engine.step_runner import prefill_shape
+    from engine.step.backend import prefill_shape
 
     assert prefill_shape(600, 15000, 256) == (768, 16384)
     assert prefill_shape(2048, 15000, 256) == (2048, 20480)

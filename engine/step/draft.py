@@ -1,6 +1,6 @@
 """Draft-model proposals for the own step's speculation (`engine.speculative: {method: draft,
 draft_model: PATH}`): a small mlx-lm model with the target's tokenizer proposes each row's next
-tokens greedily; the step verifies them as it verifies prompt lookup's (engine/speculative.py),
+tokens greedily; the step verifies them as it verifies prompt lookup's (engine/step/speculative.py),
 so the output is the target's whatever the draft says.
 
 Each request keeps its own mlx-lm cache of the draft, fed the request's tokens as they become
@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from engine.runner import last_logits
-from engine.speculative import SpecState
+from engine.forward import last_logits
+from engine.step.speculative import SpecState
 
 DRAFT_PREFILL_CHUNK = 2048  # bounds one pass's memory when the draft catches up on a prompt
 
