@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
-from api.errors import ApiError
+from api.core.errors import ApiError
 
 log = logging.getLogger("pomona.ingress")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from api.wire import sampling_to_wire
+from api.core.wire import sampling_to_wire
 from deployments.engine_host import EngineHost, StreamPacing
 from engine.types import SamplingParams
 from engine_helpers import make_engine
