@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,10 +27,11 @@ from api.core.fields import Limits
 from api.anthropic.request import parse_messages_request
 from api.core.conversation import (Completion, Conversation, OutputEvent, ReasoningDelta, TextDelta,
                                       ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart, Usage)
-from api.core.dialect import Context, respond
+from api.core.dialect import Context, RouteHost, respond
 from api.core.errors import ApiError, server_error
 from api.core.generation import Run, merged
 from api.core.metrics import request_label
+from api.service.settings import AppSettings
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -202,7 +203,13 @@ class AnthropicMessages:
 # ---------------------------------------------------------------------------------------------- routes
 
 
-def routes(server: Any) -> list[Route]:
+class MessagesHost(RouteHost, Protocol):
+    """The server as the Messages routes see it: the route host and its settings (limits, max_tokens)."""
+
+    settings: AppSettings
+
+
+def routes(server: MessagesHost) -> list[Route]:
     dialect = AnthropicMessages(server.settings.limits, server.settings.engine.max_tokens_limit)
 
     async def messages(request: Request) -> Response:

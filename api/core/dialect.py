@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.core.conversation import Completion, Conversation, TextPrompt
 from api.core.errors import ApiError, with_request_id
-from api.core.metrics import request_label
+from api.core.metrics import IngressMetrics, request_label
 from api.core.generation import Pipeline, Prepared, Run, close_all, start_all
 from api.core.streaming import SSEResponse
 
@@ -47,6 +47,17 @@ class Dialect(Protocol):
     def error(self, err: ApiError) -> Response: ...
     def stream(self, ctx: Context, runs: list[Run]) -> AsyncIterator[str]: ...
     def whole(self, ctx: Context, completions: list[Completion]) -> dict[str, Any]: ...
+
+
+class RouteHost(Protocol):
+    """What a dialect's route builder needs from the server that mounts it
+    (api.service.server.OpenAIServer); each dialect room adds the settings it reads."""
+
+    pipeline: Pipeline
+    metrics: IngressMetrics
+    model_name: str
+
+    async def read_json(self, request: Request) -> dict[str, Any]: ...
 
 
 async def respond(request: Request, dialect: Dialect, pipeline: Pipeline,

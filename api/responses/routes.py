@@ -18,26 +18,34 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.core.conversation import Completion, Conversation, Message
-from api.service.auth import tenant_of
-from api.core.dialect import Context, respond
+from api.core.dialect import Context, RouteHost, respond
 from api.core.errors import ApiError, invalid, not_found, server_error
 from api.core.generation import Run, merged
-from api.responses.store import ResponseStore, StoredResponse
 from api.responses.parse import ParsedResponse, parse_responses, store_fields
 from api.responses.render import EventWriter, input_items, item_page, output_items, response_object, status_of
+from api.responses.store import ResponseStore, StoredResponse
+from api.service.auth import tenant_of
+from api.service.settings import AppSettings
 
 log = logging.getLogger("pomona.responses")
 ROUTE = "/v1/responses"
 ITEM_ROUTE = "/v1/responses/{response_id}"
 INPUT_ITEMS_ROUTE = "/v1/responses/{response_id}/input_items"
 MAX_PAGE = 100
+
+
+class ResponsesHost(RouteHost, Protocol):
+    """The server as the Responses routes see it: the route host and its settings (limits,
+    max_tokens, the `responses` store settings and the SSD directory it defaults beside)."""
+
+    settings: AppSettings
 
 
 def error_response(err: ApiError) -> Response:
@@ -73,7 +81,7 @@ class Responses:
 
     id_prefix = "resp_"
 
-    def __init__(self, server: Any, store: "Store", previous: StoredResponse | None, tenant: str = "") -> None:
+    def __init__(self, server: ResponsesHost, store: "Store", previous: StoredResponse | None, tenant: str = "") -> None:
         self.server, self.store, self.tenant = server, store, tenant
         self.history = previous.messages if previous is not None else ()
         # The predecessor's context as items: its own input items, then what it answered.
@@ -137,7 +145,7 @@ class Responses:
 class Store:
     """The route's view of the store: async, off the event loop, errors mapped to API errors."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: ResponsesHost) -> None:
         settings = server.settings
         self.enabled = settings.responses.enabled
         self.backend = ResponseStore(settings.responses,
@@ -171,7 +179,7 @@ def _not_stored(rid: str, param: str | None, code: str) -> ApiError:
 
 
 class ResponseRoutes:
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: ResponsesHost) -> None:
         self.server, self.store = server, Store(server)
 
     async def _history(self, previous: str, tenant: str) -> StoredResponse:
@@ -253,7 +261,7 @@ class ResponseRoutes:
         return error_response(err) if err else JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
-def routes(server: Any) -> list[Route]:
+def routes(server: ResponsesHost) -> list[Route]:
     r = ResponseRoutes(server)
     return [Route(ROUTE, r.create, methods=["POST"]),
             Route(ITEM_ROUTE, r.retrieve, methods=["GET"]),
