@@ -1,4 +1,4 @@
-"""The ingress deployment: the Starlette app of http_app.py, talking to LLM servers through a handle."""
+"""The ingress deployment: the Starlette app of api/service/server.py, talking to LLM servers through a handle."""
 
 from __future__ import annotations
 

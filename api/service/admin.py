@@ -1,7 +1,7 @@
 """Admin routes: per-request status and prefix-cache administration (no Ray: a `Backend` answers).
 
-Like every route but /health, these need an API key when keys are configured (ApiKeyMiddleware in
-http_app.py runs first); without keys the server is meant to sit on loopback, where they stay open.
+Like every route but /health, these need an API key when keys are configured (ApiKeyMiddleware,
+api/service/auth.py, runs first); without keys the server is meant to sit on loopback, where they stay open.
 
 | route | what it does |
 |---|---|

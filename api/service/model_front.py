@@ -1,6 +1,6 @@
 """Routes each request to its model's OpenAI app by the body's `model` (several models, one endpoint).
 
-Each served model keeps its own `OpenAIServer` (http_app.py: its backend handle, tokenizer, limits,
+Each served model keeps its own `OpenAIServer` (api/service/server.py: its backend handle, tokenizer, limits,
 readiness); this ASGI front reads the body once, picks the server whose name (or `model_aliases`)
 matches, and replays the body to it. GET /v1/models lists every model, /health is 200 only when
 all are ready (each model's state in `models`), GET /admin/models merges every model's phases.
