@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+
 def usage_body(usage: Mapping[str, int]) -> dict[str, Any]:
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
