@@ -7,8 +7,9 @@
 - Inside the HTTP layer, the dialect rooms (api/openai, api/anthropic, api/responses) never import
   one another: what two dialects share lives in the core room (api/core: the request fields, the
   request model, the route body), so a change to one dialect cannot reach another's wire format.
-  The core and output rooms import no dialect room and not the service (api/service), which wires
-  the dialects to routes.
+  Neither they nor the core and output rooms import the service (api/service), which mounts the
+  dialects' routes and hands them what they need through a declared protocol (`RouteHost`); the
+  core and output rooms import no dialect room.
 - No module imports a private name of mlx, mlx-lm or Ray, or reaches into one through an
   attribute (`module._name`): their private parts change without notice between releases.
 """
@@ -32,7 +33,7 @@ FORBIDDEN = {
 
 DIALECT_ROOMS = ("api.openai", "api.anthropic", "api.responses")
 API_FORBIDDEN = {
-    **{room: tuple(d for d in DIALECT_ROOMS if d != room) for room in DIALECT_ROOMS},
+    **{room: tuple(d for d in DIALECT_ROOMS if d != room) + ("api.service",) for room in DIALECT_ROOMS},
     "api.core": DIALECT_ROOMS + ("api.service",),
     "api.output": DIALECT_ROOMS + ("api.service",),
 }
@@ -120,6 +121,7 @@ def test_a_broken_rule_is_reported(tmp_path: Path, source: str, expected: str) -
     ("openai", "from api import responses\n", "the api.openai room imports api.responses"),
     ("responses", "import api.anthropic.request\n", "the api.responses room imports api.anthropic.request"),
     ("core", "from api.openai.shapes import sse\n", "the api.core room imports api.openai.shapes"),
+    ("responses", "from api.service.auth import tenant_of\n", "the api.responses room imports api.service.auth"),
     ("output", "from api.service.settings import AppSettings\n", "the api.output room imports api.service.settings"),
 ])
 def test_a_dialect_room_importing_another_is_reported(tmp_path: Path, room: str, source: str, expected: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,7 +31,6 @@ from api.core.dialect import Context, RouteHost, respond
 from api.core.errors import ApiError, server_error
 from api.core.generation import Run, merged
 from api.core.metrics import request_label
-from api.service.settings import AppSettings
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -203,13 +202,7 @@ class AnthropicMessages:
 # ---------------------------------------------------------------------------------------------- routes
 
 
-class MessagesHost(RouteHost, Protocol):
-    """The server as the Messages routes see it: the route host and its settings (limits, max_tokens)."""
-
-    settings: AppSettings
-
-
-def routes(server: MessagesHost) -> list[Route]:
+def routes(server: RouteHost) -> list[Route]:
     dialect = AnthropicMessages(server.settings.limits, server.settings.engine.max_tokens_limit)
 
     async def messages(request: Request) -> Response:

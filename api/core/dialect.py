@@ -16,8 +16,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.config import EngineConfig
+
 from api.core.conversation import Completion, Conversation, TextPrompt
 from api.core.errors import ApiError, with_request_id
+from api.core.fields import Limits
 from api.core.metrics import IngressMetrics, request_label
 from api.core.generation import Pipeline, Prepared, Run, close_all, start_all
 from api.core.streaming import SSEResponse
@@ -49,15 +52,28 @@ class Dialect(Protocol):
     def whole(self, ctx: Context, completions: list[Completion]) -> dict[str, Any]: ...
 
 
+class RouteSettings(Protocol):
+    """The settings every dialect's routes read (api.service.settings.AppSettings holds them); a
+    dialect that reads more declares its own, wider protocol."""
+
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+
+
 class RouteHost(Protocol):
     """What a dialect's route builder needs from the server that mounts it
-    (api.service.server.OpenAIServer); each dialect room adds the settings it reads."""
+    (api.service.server.OpenAIServer): the dialect rooms never import the service."""
 
     pipeline: Pipeline
     metrics: IngressMetrics
     model_name: str
 
+    @property
+    def settings(self) -> RouteSettings: ...
     async def read_json(self, request: Request) -> dict[str, Any]: ...
+    def tenant(self, request: Request) -> str: ...
 
 
 async def respond(request: Request, dialect: Dialect, pipeline: Pipeline,

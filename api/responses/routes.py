@@ -25,14 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api.core.conversation import Completion, Conversation, Message
-from api.core.dialect import Context, RouteHost, respond
+from api.core.dialect import Context, RouteHost, RouteSettings, respond
 from api.core.errors import ApiError, invalid, not_found, server_error
 from api.core.generation import Run, merged
 from api.responses.parse import ParsedResponse, parse_responses, store_fields
 from api.responses.render import EventWriter, input_items, item_page, output_items, response_object, status_of
-from api.responses.store import ResponseStore, StoredResponse
-from api.service.auth import tenant_of
-from api.service.settings import AppSettings
+from api.responses.store import ResponseStore, ResponseStoreSettings, StoredResponse
 
 log = logging.getLogger("pomona.responses")
 ROUTE = "/v1/responses"
@@ -41,11 +39,19 @@ INPUT_ITEMS_ROUTE = "/v1/responses/{response_id}/input_items"
 MAX_PAGE = 100
 
 
-class ResponsesHost(RouteHost, Protocol):
-    """The server as the Responses routes see it: the route host and its settings (limits,
-    max_tokens, the `responses` store settings and the SSD directory it defaults beside)."""
+class ResponsesSettings(RouteSettings, Protocol):
+    """The settings the Responses routes read: every dialect's, and the store's (which defaults its
+    directory beside the SSD tier's, `engine.cache.ssd_dir`)."""
 
-    settings: AppSettings
+    @property
+    def responses(self) -> ResponseStoreSettings: ...
+
+
+class ResponsesHost(RouteHost, Protocol):
+    """The server as the Responses routes see it."""
+
+    @property
+    def settings(self) -> ResponsesSettings: ...
 
 
 def error_response(err: ApiError) -> Response:
@@ -193,7 +199,7 @@ class ResponseRoutes:
         return stored
 
     async def create(self, request: Request) -> Response:
-        server, tenant = self.server, tenant_of(request)
+        server, tenant = self.server, self.server.tenant(request)
         try:
             body = await server.read_json(request)
             _, previous = store_fields(body)
@@ -219,7 +225,7 @@ class ResponseRoutes:
                           param="stream")
         else:
             try:
-                stored = await self.store.get(rid, tenant_of(request))
+                stored = await self.store.get(rid, self.server.tenant(request))
                 if stored is not None:
                     self.server.metrics.count(ITEM_ROUTE, 200)
                     return JSONResponse(stored.response)
@@ -235,7 +241,7 @@ class ResponseRoutes:
         rid, query = request.path_params["response_id"], request.query_params
         try:
             limit, order, after = _page_query(query.get("limit", "20"), query.get("order", "desc"), query.get("after"))
-            stored = await self.store.get(rid, tenant_of(request))
+            stored = await self.store.get(rid, self.server.tenant(request))
             if stored is None:
                 raise _not_stored(rid, "response_id", "response_not_found")
             page = item_page(list(stored.input_items), limit, order, after)
@@ -251,7 +257,7 @@ class ResponseRoutes:
     async def delete(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
         try:
-            deleted = await self.store.delete(rid, tenant_of(request))
+            deleted = await self.store.delete(rid, self.server.tenant(request))
         except Exception:
             log.exception("the response store at %s failed on a delete", self.store.backend.directory)
             deleted, err = False, server_error("The response store failed; check the server log.")

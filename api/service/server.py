@@ -144,6 +144,10 @@ class OpenAIServer:
         """A request's tokenizer / template work, on the one tokenizer thread; 429 when its queue is full."""
         return await self._tok_pool.run(fn)
 
+    def tenant(self, request: Request) -> str:
+        """The caller's tenant, as the key middleware found it (api/service/auth.py `tenant_of`)."""
+        return tenant_of(request)
+
     def salt(self, request: Request, own: str) -> str:
         """The engine's cache salt for a request of this caller (api/service/auth.py `cache_salt`)."""
         return cache_salt(tenant_of(request), own, self.share_cache)
