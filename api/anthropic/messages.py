@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.core.fields import Limits
 from api.anthropic.request import parse_messages_request
 from api.core.conversation import (Completion, Conversation, OutputEvent, ReasoningDelta, TextDelta,
-                                      ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart, Usage)
+                                   ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart, Usage)
 from api.core.dialect import Context, RouteHost, respond
 from api.core.errors import ApiError, server_error
+from api.core.fields import Limits
 from api.core.generation import Run, merged
 from api.core.metrics import request_label
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from api.core.fields import (MAX_TOOLS, Limits, check_choice, check_stop_lengths, message_array, read_cache_salt,
-                             read_field, sampling_fields, tool_from)
 from api.core.conversation import Conversation, Message, OutputFormat, Tool, ToolCall, ToolChoice
 from api.core.errors import invalid
+from api.core.fields import (MAX_TOOLS, Limits, check_choice, check_stop_lengths, message_array, read_cache_salt,
+                             read_field, sampling_fields, tool_from)
 
 JOIN = "\n\n"
 # Pomona's own sampling extensions, accepted beside Anthropic's temperature / top_p / top_k.

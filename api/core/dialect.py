@@ -21,8 +21,8 @@ from engine.config import EngineConfig
 from api.core.conversation import Completion, Conversation, TextPrompt
 from api.core.errors import ApiError, with_request_id
 from api.core.fields import Limits
-from api.core.metrics import IngressMetrics, request_label
 from api.core.generation import Pipeline, Prepared, Run, close_all, start_all
+from api.core.metrics import IngressMetrics, request_label
 from api.core.streaming import SSEResponse
 
 

@@ -21,13 +21,13 @@ from mlx_lm.tool_parsers import json_tools
 from engine.types import MAX_STOP_STRINGS, SamplingParams
 
 from api.core.conversation import Completion, Conversation, OutputEvent, TextDelta, TextPrompt, Tool, Usage
-from api.core.wire import SALT_KEY, sampling_to_wire
 from api.core.errors import invalid, server_error
-from api.output.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
-                                  tool_grammar)
-from api.output.parser import OutputParser
 from api.core.prompt_tokens import IncrementalEncoder
 from api.core.streaming import Tracker
+from api.core.wire import SALT_KEY, sampling_to_wire
+from api.output.grammars import (GrammarError, answer_grammar, check_grammar, no_call_grammar, special_marker_id,
+                                 tool_grammar)
+from api.output.parser import OutputParser
 from api.output.tool_syntax import TemplateError, ToolSyntax, render_prompt, syntax_for
 
 

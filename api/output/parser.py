@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from mlx_lm.generate import TextStateMachine
 
 from api.core.conversation import (OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCall,
-                                      ToolCallEnd, ToolCallStart)
+                                   ToolCallEnd, ToolCallStart)
 from api.output.call_scanner import CallScanner
 from api.output.tool_syntax import ToolSyntax
 

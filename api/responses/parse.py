@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from api.core.fields import (MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_TOOLS, Limits, check_choice,
-                             parse_response_format, read_cache_salt, read_field, sampling_fields, tool_from)
 from api.core.conversation import Conversation, Message, OutputFormat, Tool, ToolCall, ToolChoice
 from api.core.errors import invalid
+from api.core.fields import (MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, MAX_TOOLS, Limits, check_choice,
+                             parse_response_format, read_cache_salt, read_field, sampling_fields, tool_from)
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 BUILT_IN_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from api.core.conversation import (Completion, Message, OutputEvent, ReasoningDelta, TextDelta, ToolArgsDelta,
-                                      ToolCallEnd, ToolCallStart, Usage)
+                                   ToolCallEnd, ToolCallStart, Usage)
 from api.core.errors import ApiError
 
 

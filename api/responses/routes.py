@@ -87,7 +87,8 @@ class Responses:
 
     id_prefix = "resp_"
 
-    def __init__(self, server: ResponsesHost, store: "Store", previous: StoredResponse | None, tenant: str = "") -> None:
+    def __init__(self, server: ResponsesHost, store: "Store", previous: StoredResponse | None,
+                 tenant: str = "") -> None:
         self.server, self.store, self.tenant = server, store, tenant
         self.history = previous.messages if previous is not None else ()
         # The predecessor's context as items: its own input items, then what it answered.

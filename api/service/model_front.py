@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from api.service import model_status
-from api.openai.shapes import models_list
 from api.core.errors import body_for, unavailable
+from api.openai.shapes import models_list
+from api.service import model_status
 from api.service.server import OpenAIServer
 
 

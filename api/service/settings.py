@@ -17,9 +17,9 @@ from typing import Any, Mapping
 from engine.config import EngineConfig
 
 from fleet.settings import FleetSettings
-from api.service.auth import KEY_TENANT_PREFIX, TENANT_NAME, KeyRing, key_tenant
 from api.core.fields import Limits
 from api.responses.store import ResponseStoreSettings
+from api.service.auth import KEY_TENANT_PREFIX, TENANT_NAME, KeyRing, key_tenant
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 APPLE_SILICON_RESOURCE = "apple_silicon"
