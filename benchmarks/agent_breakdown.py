@@ -28,9 +28,9 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from api.anthropic_request import parse_messages_request
-    from api.openai_types import Limits
-    from api.tool_syntax import render_prompt, syntax_for
+    from api.anthropic.request import parse_messages_request
+    from api.core.fields import Limits
+    from api.output.tool_syntax import render_prompt, syntax_for
     from benchmarks.agent_session import token_counter
     from benchmarks.agent_trace import anthropic_body, build_trace
     from benchmarks.engine_loop import engine_config

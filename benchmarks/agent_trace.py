@@ -10,7 +10,7 @@ Two renderings of one turn:
 - `anthropic_body`: what an agent client sends to /v1/messages (system, tools with input_schema,
   assistant `tool_use` blocks, user `tool_result` blocks).
 - `chat_messages`: the same conversation as plain chat messages in the form Pomona's generic tool
-  fallback renders for a template without tools (api/tool_syntax.py: tool list appended to
+  fallback renders for a template without tools (api/output/tool_syntax.py: tool list appended to
   the system text, calls as `<tool_call>` blocks in the assistant's content, results as
   `<tool_response>` user messages). For mlx_lm.server: SmolLM2's template has no tools section, so
   `tools`, `tool_calls` and `role: "tool"` sent there would drop the tool list (it only warns) and
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from benchmarks.agent_tools import INSTRUCTIONS, TOOLS
-from api.conversation import Tool, ToolCall
-from api.tool_syntax import fallback_call_text, fallback_system_text
+from api.core.conversation import Tool, ToolCall
+from api.output.tool_syntax import fallback_call_text, fallback_system_text
 
 TASK = ("The scheduler retries failed jobs too fast: when the database is down, the worker pool hammers it. "
         "Find where retries are scheduled, add exponential backoff with a cap (use the existing config "

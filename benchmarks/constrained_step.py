@@ -28,7 +28,7 @@ PROMPT = "List, as a JSON array of strings, every fruit you can think of."
 
 
 def agent_tools() -> list[Any]:
-    from api.conversation import Tool
+    from api.core.conversation import Tool
 
     def obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
         return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
@@ -53,8 +53,8 @@ def agent_tools() -> list[Any]:
 def compile_times(tokenizer: Any) -> dict[str, float]:
     from llguidance import LLMatcher
 
-    from api.conversation import ToolChoice
-    from api.grammars import tool_grammar
+    from api.core.conversation import ToolChoice
+    from api.output.grammars import tool_grammar
     from engine.constraints import ConstraintFactory
 
     factory = ConstraintFactory(tokenizer)
@@ -81,8 +81,8 @@ def compile_times(tokenizer: Any) -> dict[str, float]:
 
 
 def _fill(engine: Any, n: int, constrained: bool, max_tokens: int) -> None:
-    from api.conversation import OutputFormat
-    from api.grammars import answer_grammar
+    from api.core.conversation import OutputFormat
+    from api.output.grammars import answer_grammar
     from engine.constraints import build_constraint
     from engine.types import Request, SamplingParams
 

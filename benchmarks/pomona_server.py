@@ -16,7 +16,7 @@ from typing import Any
 from benchmarks.servers import ROOT, ServerSpec, blas_env
 
 SERVE_CONFIG = ROOT / "serve_config.yaml"
-APPLE_SILICON_RESOURCE = "apple_silicon"  # what api.settings asks the LLM replica for
+APPLE_SILICON_RESOURCE = "apple_silicon"  # what api.service.settings asks the LLM replica for
 
 
 def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SERVE_CONFIG,

@@ -224,7 +224,7 @@ class WireEngine:
         return getattr(self.engine, name)
 
     async def stream(self, request: Any) -> Any:
-        from api.wire import event_to_wire
+        from api.core.wire import event_to_wire
 
         async for batch in self.engine.stream(request):
             self.outbox.setdefault(request.request_id, []).extend(event_to_wire(e) for e in batch)

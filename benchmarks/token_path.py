@@ -42,8 +42,8 @@ def build_app(step_s: float, items_per_s: float, channel: bool = False) -> Any:
 
     from deployments.engine_host import EngineHost, StreamPacing
     from deployments.ingress import HandleBackend
-    from api.metrics import IngressMetrics
-    from api.streaming import SSEResponse, Tracker, sse_events
+    from api.core.metrics import IngressMetrics
+    from api.core.streaming import SSEResponse, Tracker, sse_events
     from engine.config import EngineConfig
 
     from benchmarks.token_path_engine import SyntheticEngine

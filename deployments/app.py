@@ -11,7 +11,7 @@ from fleet.options import with_fleet_options
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 from deployments.model_list import ModelPlan, deployment_name, plan
-from api.settings import AppSettings
+from api.service.settings import AppSettings
 
 
 def llm_server(settings: AppSettings, name: str = "LLMServer") -> BoundDeployment:
@@ -32,7 +32,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build from the YAML `args:` block. Actor options are set here, not in YAML `deployments:`,
     because the BLAS preload must be added only where the library exists (static YAML cannot).
     With a `models:` list, each model gets its own LLM server deployment and one ingress routes
-    by the request's `model` (deployments/model_list.py, api/model_front.py)."""
+    by the request's `model` (deployments/model_list.py, api/service/model_front.py)."""
     models = plan(args or {})
     every = list(models.models)
     first = every[0]

@@ -1,6 +1,6 @@
 """Hosts an `AsyncEngine` behind a plain-data interface (no Ray): what the LLM server deployment exposes.
 
-The data crossing to the ingress is api/wire.py's format: rejections, lists of events, sampling dicts.
+The data crossing to the ingress is api/core/wire.py's format: rejections, lists of events, sampling dicts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from api.wire import event_to_wire, rejection, request_from_wire
+from api.core.wire import event_to_wire, rejection, request_from_wire
 from engine.config import EngineConfig
 from engine.types import ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError
 from modelio.models import openblas_loaded
@@ -286,7 +286,7 @@ class EngineHost:
         await asyncio.wait_for(self.engine.ping(), HEALTH_PROBE_TIMEOUT_S)
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """Status and cache administration for api/admin.py; tagged with this replica's pid."""
+        """Status and cache administration for api/service/admin.py; tagged with this replica's pid."""
         engine = self.engine
         if action == "requests":
             result: dict[str, Any] = {"requests": await engine.requests_status()}

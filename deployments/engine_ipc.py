@@ -1,7 +1,7 @@
 """Frames between an LLM server replica and its engine's own process (engine_process.py / engine_worker.py).
 
 A frame is a 4-byte big-endian length and a msgpack list `[kind, ...]`. msgpack rather than pickle:
-the two processes exchange plain data only (events in api/wire.py's format, sampling dicts, stats),
+the two processes exchange plain data only (events in api/core/wire.py's format, sampling dicts, stats),
 so neither side ever runs code the other sent. Token arrays (the prefix store's held prefixes) travel
 as raw bytes, not as lists of ints: converting thousands of ids to Python ints would hold the GIL
 the engine's MLX thread needs.

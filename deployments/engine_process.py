@@ -21,7 +21,7 @@ import sys
 import tempfile
 from typing import Any, AsyncIterator
 
-from api.wire import event_from_wire, sampling_to_wire
+from api.core.wire import event_from_wire, sampling_to_wire
 from deployments.engine_ipc import config_to_wire, pack, receive, refusal_from_wire
 from engine.config import EngineConfig
 from engine.loop import CLOSED

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from api.wire import event_to_wire, sampling_from_wire
+from api.core.wire import event_to_wire, sampling_from_wire
 from deployments.engine_ipc import config_from_wire, pack, receive, refusal_to_wire
 from engine.types import Request
 

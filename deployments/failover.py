@@ -3,7 +3,7 @@
 Nothing reached the client yet, so sending the request again is invisible to it (the new replica
 recomputes the same prompt). After the first event the client has seen tokens that another
 replica would not continue exactly, so a failure then ends the stream with an error event
-(streaming.py) instead: never a silent restart, never a hang.
+(api/core/streaming.py) instead: never a silent restart, never a hang.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from ray.exceptions import RayActorError
 
-from api.errors import ApiError
+from api.core.errors import ApiError
 
 log = logging.getLogger("pomona.ingress")
 

@@ -1,4 +1,4 @@
-"""The ingress deployment: the Starlette app of http_app.py, talking to LLM servers through a handle."""
+"""The ingress deployment: the Starlette app of api/service/server.py, talking to LLM servers through a handle."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
 from modelio.models import tokenizer_for
-from api.errors import ApiError, overloaded, server_error, unavailable
+from api.core.errors import ApiError, overloaded, server_error, unavailable
 from deployments.channels import ChannelLost, Inbox, StepChannels
 from deployments.engine_host import StreamPacing
 from deployments.failover import retry_before_first
-from api.server import OpenAIServer
-from api.settings import AppSettings
+from api.service.server import OpenAIServer
+from api.service.settings import AppSettings
 
 log = logging.getLogger("pomona.ingress")
 
@@ -148,13 +148,13 @@ class HandleBackend:
         return await self._handle.stats.remote()
 
     async def model_status(self) -> list[dict[str, Any]]:
-        """Every replica's model phase (downloading, loading, ...) from api/model_status.py's board."""
-        from api.model_status import read_board
+        """Every replica's model phase (downloading, loading, ...) from api/service/model_status.py's board."""
+        from api.service.model_status import read_board
 
         return await read_board()
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """One replica's status or cache administration (api/admin.py fans out)."""
+        """One replica's status or cache administration (api/service/admin.py fans out)."""
         try:
             return await self._handle.admin.remote(action, tier)
         except RAY_FAILURES as exc:

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.engine_host import EngineHost, StreamPacing
-from api.model_status import ModelStatus
-from api.settings import AppSettings
+from api.service.model_status import ModelStatus
+from api.service.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
 
@@ -79,7 +79,7 @@ class LLMServer:
         return await self._host.routing_stats()
 
     async def admin(self, action: str, tier: str = "all") -> dict[str, Any]:
-        """Per-request status and cache administration (api/admin.py asks every replica)."""
+        """Per-request status and cache administration (api/service/admin.py asks every replica)."""
         return await self._host.admin(action, tier)
 
     async def check_health(self) -> None:

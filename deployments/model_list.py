@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from api.settings import AppSettings, ReplicaSettings
+from api.service.settings import AppSettings, ReplicaSettings
 
 PER_MODEL = frozenset({"model", "served_model_name", "model_aliases", "tool_parser", "engine", "llm_server",
                        "multiplexed"})

@@ -1,4 +1,4 @@
-"""The ingress of an app with several models: one OpenAI app per model behind api/model_front.py."""
+"""The ingress of an app with several models: one OpenAI app per model behind api/service/model_front.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from modelio.models import tokenizer_for
-from api.server import OpenAIServer
+from api.service.server import OpenAIServer
 from deployments.engine_host import StreamPacing
 from deployments.ingress import HandleBackend, log_keys
-from api.model_front import ModelFront
-from api.settings import AppSettings
+from api.service.model_front import ModelFront
+from api.service.settings import AppSettings
 
 log = logging.getLogger("pomona.ingress")
 

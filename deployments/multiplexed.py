@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.engine_host import EngineHost, StreamPacing
-from api.model_status import ModelStatus
-from api.settings import AppSettings
+from api.service.model_status import ModelStatus
+from api.service.settings import AppSettings
 
 log = logging.getLogger("pomona.llm_server")
 

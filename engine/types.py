@@ -110,7 +110,7 @@ class SamplingParams:
     `logprobs` is the number of top alternatives to report per token (0 = only the chosen token's
     log-probability, None = none at all). `logit_bias` holds (token id, bias) pairs added to the logits.
     `grammar` is an llguidance grammar (what `llguidance.LLMatcher` accepts, e.g. the output of
-    `api.grammars`); None means unconstrained. A request with a grammar always ends at EOS once
+    `api.output.grammars`); None means unconstrained. A request with a grammar always ends at EOS once
     the grammar is complete, even with `ignore_eos`.
     """
 

@@ -92,8 +92,8 @@ async def in_process(model_dir: Path, http_lib: Any = httpx, wrap: Any = None, r
     from engine_helpers import tiny_loader
     from deployments.engine_host import EngineHost
     from modelio import models
-    from api.server import OpenAIServer
-    from api.settings import AppSettings
+    from api.service.server import OpenAIServer
+    from api.service.settings import AppSettings
 
     from e2e_helpers import tiny_args
 

@@ -62,9 +62,9 @@ def test_both_servers_get_the_same_prompt(trace: Any) -> None:
     from modelio.models import resolve_model
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from api import openai_types as oa
-    from api.anthropic_request import parse_messages_request
-    from api.tool_syntax import render_prompt, syntax_for
+    from api.core import fields as oa
+    from api.anthropic.request import parse_messages_request
+    from api.output.tool_syntax import render_prompt, syntax_for
 
     tok = load_tokenizer(resolve_model("default"))
     for turn in (1, 4, 10):

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import pytest
 from ray.exceptions import RayActorError
 
-from api.errors import ApiError, server_error, unavailable
+from api.core.errors import ApiError, server_error, unavailable
 from deployments.failover import ATTEMPTS, replica_went_away, retry_before_first
 
 

@@ -1,7 +1,7 @@
 """Bad input against the running server: the published OpenAPI schema drives a bounded hypothesis fuzz,
 unstructured bodies follow, and every configurable limit is enforced.
 
-`from_schema` covers the JSON Schema subset api/openapi.py emits (hypothesis-jsonschema
+`from_schema` covers the JSON Schema subset api/service/openapi.py emits (hypothesis-jsonschema
 0.23 does not run on current hypothesis); with `wild`, a field may instead get any JSON value, so
 bodies probe both sides of each bound.
 
@@ -19,8 +19,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from api.auth import ApiKeyMiddleware, KeyRing
-from api.metrics import IngressMetrics
+from api.service.auth import ApiKeyMiddleware, KeyRing
+from api.core.metrics import IngressMetrics
 from e2e_helpers import tiny_args, wait_healthy
 from reliability_helpers import admin, auth, own_cluster
 

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator
 import pytest
 from ray.exceptions import RayActorError
 
-from api.errors import ApiError
-from api.wire import sampling_to_wire
+from api.core.errors import ApiError
+from api.core.wire import sampling_to_wire
 from deployments import engine_host
 from deployments.engine_host import EngineHost, StreamPacing
 from deployments.ingress import HandleBackend

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from api.wire import sampling_to_wire
+from api.core.wire import sampling_to_wire
 from deployments.engine_host import EngineHost, StreamPacing
 from engine.types import SamplingParams
 from engine_helpers import make_engine
@@ -106,7 +106,7 @@ def test_the_step_clock_averages_arrival_gaps_and_skips_idle_ones() -> None:
 
 
 def test_the_default_settings_pace_by_time() -> None:
-    from api.settings import AppSettings
+    from api.service.settings import AppSettings
 
     settings = AppSettings()
     assert settings.stream_pacing_steps == 2.0 and settings.stream_items_per_s == 0.0

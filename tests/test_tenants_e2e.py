@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from api.settings import KeyConfigError
+from api.service.settings import KeyConfigError
 from e2e_helpers import tiny_args, wait_healthy
 from reliability_helpers import deploy, own_cluster, token_prompt
 

@@ -16,9 +16,9 @@ import pytest
 from llguidance import LLMatcher
 
 from cache_tiers.factory import build_store
-from api.conversation import OutputFormat
-from api.wire import event_to_wire, sampling_from_wire, sampling_to_wire
-from api.grammars import answer_grammar
+from api.core.conversation import OutputFormat
+from api.core.wire import event_to_wire, sampling_from_wire, sampling_to_wire
+from api.output.grammars import answer_grammar
 from cache_tiers.config import CacheConfig
 from engine.config import EngineConfig
 from engine.constraints import build_constraint

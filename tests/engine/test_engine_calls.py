@@ -27,8 +27,8 @@ def test_a_call_cancelled_by_its_caller_does_not_kill_the_mlx_thread(tiny_model_
 
 
 def test_requests_status_marks_constrained_requests(tiny_model_dir):
-    from api.grammars import answer_grammar
-    from api.conversation import OutputFormat
+    from api.output.grammars import answer_grammar
+    from api.core.conversation import OutputFormat
 
     engine = make_engine(tiny_model_dir)
 

@@ -333,7 +333,7 @@ def test_metrics_and_admin_requests_show_proposed_and_accepted_tokens(engines):
     request's row in `/admin/requests` (Engine.running_status) carries its own."""
     import asyncio
 
-    from api.metrics import IngressMetrics
+    from api.core.metrics import IngressMetrics
     from engine.types import Request
     from engine_helpers import collect, run
 
