@@ -6,6 +6,8 @@
 - Model I/O never imports the engine: it resolves, converts and loads models for whoever asks.
 - No module imports a private name of mlx, mlx-lm or Ray, or reaches into one through an
   attribute (`module._name`): their private parts change without notice between releases.
+- No module under tests/ imports benchmarks: the product's tests stand without the harness, whose
+  own checks live beside it (benchmarks/tests/); fixtures both use live under tests/.
 """
 
 from __future__ import annotations
@@ -87,3 +89,11 @@ def test_a_broken_rule_is_reported(tmp_path: Path, source: str, expected: str) -
     (tmp_path / "engine" / "bad.py").write_text(source)
     found = violations(tmp_path / "engine" / "bad.py", root=tmp_path)
     assert any(expected in v for v in found), found
+
+
+def test_tests_never_import_benchmarks() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}: imports {module}"
+             for path in sorted((ROOT / "tests").rglob("*.py"))
+             for line, module, _ in imports(ast.parse(path.read_text(), str(path)))
+             if module.split(".")[0] == "benchmarks"]
+    assert not found, "\n".join(found)

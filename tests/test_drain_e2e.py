@@ -1,6 +1,6 @@
 """SIGTERM to `pomona serve` (deployments/serve_cmd.py) while requests stream, over real Ray Serve.
 
-One node of its own (`pomona node start`, benchmarks/fleet_cluster.py), the tiny model (its context
+One node of its own (`pomona node start`, tests/fleet_cluster.py), the tiny model (its context
 raised to 16k, so one stream can surely outlast the drain), an SSD tier in a temp dir, `drain_s` 3.
 A short stream finishes normally; a long one (12,000 tokens, over a minute here) ends with an error
 event and [DONE]; requests sent meanwhile get 503 +
@@ -25,8 +25,8 @@ import psutil
 import pytest
 import yaml
 
-from benchmarks.fleet_cluster import local_cluster
 from e2e_helpers import ROOT, free_port, long_context_copy, tiny_args, wait_healthy
+from fleet_cluster import local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

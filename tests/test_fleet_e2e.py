@@ -1,7 +1,7 @@
 """Fleet end to end: two "hosts" on one machine, one LLM replica each, prefix-affinity routing, failover.
 
 A head and a second node are started with `pomona node start/join` (own temp dirs, host names and
-ports; benchmarks/fleet_cluster.py), so nothing here touches another Ray cluster on this machine.
+ports; tests/fleet_cluster.py), so nothing here touches another Ray cluster on this machine.
 Two applications share the cluster: "/" is the fleet (affinity router, two replicas, at most one
 per node) and "/single" one replica, the reference for the cached-token share. Clients are the
 official `openai` client over real HTTP (raw SSE through httpx where the wire itself is checked),
@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -24,9 +25,9 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.fleet_cluster import local_cluster, node_pids
-from benchmarks.workloads import TextMaker, WorkloadSpec, first_turn_messages, prefix_workload
 from e2e_helpers import free_port, long_context_copy, metric, tiny_args, wait_healthy
+from fleet_cluster import local_cluster, node_pids
+from tiny_model import CORPUS
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -36,8 +37,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 # test waited in vain for two queued requests on the victim.
 FLEET = {"router": "affinity", "stats_period_s": 1.0, "saturation": 8}
 LONG = 12_000  # tokens of the streams that must still run when their replica is killed
-SPEC = WorkloadSpec("fleet-prefix", "prefix", num_requests=32, input_len=24, output_len=4, prefix_len=256,
-                    num_prefixes=4, seed=5)
+
+
+def prefix_requests(model_dir: Path, requests: int = 32, prefixes: int = 4, prefix_tokens: int = 256,
+                    question_tokens: int = 24, seed: int = 5) -> list[list[dict[str, str]]]:
+    """Prefix repetition, as vLLM's dataset of that name: `prefixes` shared system prompts, each
+    followed by distinct questions, shuffled (seeded) so the requests of a group interleave. Lengths
+    are exact in the tiny model's tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    words = CORPUS.split()
+    rng = random.Random(seed)
+
+    def text(tokens: int) -> str:
+        ids = tok.encode(" ".join(rng.choice(words) for _ in range(tokens)), add_special_tokens=False).ids
+        return tok.decode(ids[:tokens])
+
+    systems = [text(prefix_tokens) for _ in range(prefixes)]
+    convs = [[{"role": "system", "content": systems[i % prefixes]}, {"role": "user", "content": text(question_tokens)}]
+             for i in range(requests)]
+    rng.shuffle(convs)
+    return convs
 
 
 def fleet_args(model_dir: Path, replicas: int) -> dict:
@@ -78,16 +99,16 @@ def cluster(tiny_model_dir, tmp_path_factory):
 
 def run_workload(base: str, model_dir: Path, concurrency: int = 4) -> list[tuple[int, int]]:
     """(prompt_tokens, cached_tokens) of each request of the prefix-repetition workload."""
-    convs = prefix_workload(SPEC, TextMaker(model_dir))
+    convs = prefix_requests(model_dir)
 
     async def main() -> list[tuple[int, int]]:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(conv) -> tuple[int, int]:
+        async def one(messages: list[dict[str, str]]) -> tuple[int, int]:
             async with sem:
                 out = await client.chat.completions.create(
-                    model="tiny", messages=first_turn_messages(conv), max_tokens=conv.max_tokens, temperature=0,
+                    model="tiny", messages=messages, max_tokens=4, temperature=0,
                     extra_body={"ignore_eos": True})
             return out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens
 
