@@ -16,7 +16,7 @@ Quantized KV caches go to mlx-lm's code unchanged. (A table of rope cosines and 
 and measured no faster than `mx.fast.rope`: rope is a small share of the step.)
 
 `accelerate(model)` swaps them into a loaded mlx-lm llama model in place; `modelio.models` does it
-on the CPU backend only. Greedy outputs match mlx-lm's model (tests/test_cpu_llama.py).
+on the CPU backend only. Greedy outputs match mlx-lm's model (tests/modelio/test_cpu_llama.py).
 """
 
 from __future__ import annotations

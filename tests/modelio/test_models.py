@@ -104,7 +104,7 @@ def test_resolve_missing_dir_is_clear(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["bad id!", "owner/name with spaces"])
 def test_resolve_invalid_name_is_clear(name: str) -> None:
-    # Hub ids that are valid go to the hub: tests/test_hub.py (a loopback hub, offline, errors).
+    # Hub ids that are valid go to the hub: tests/modelio/test_hub.py (a loopback hub, offline, errors).
     with pytest.raises(ValueError, match="neither a local model directory nor a valid Hugging Face repo id") as err:
         resolve_model(name)
     assert "'default'" in str(err.value)
@@ -210,7 +210,7 @@ def test_default_model_converts_and_answers_paris(default_dir: Path) -> None:
     # Offline and with no hub reachable, exactly as before hub ids existed: the hub is never asked.
     offline = subprocess.run([sys.executable, "-c", "from modelio.models import resolve_model; print(resolve_model('default'))"],
                              env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
-                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
     assert Path(offline.stdout.strip()) == default_dir, offline.stderr
     assert (default_dir / "model.safetensors").stat().st_mtime_ns == mtime
 

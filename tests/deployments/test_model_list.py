@@ -72,7 +72,7 @@ def test_shipped_configs_build(config: str) -> None:
     from deployments.app import build_app
     from deployments.model_list import plan
 
-    app = yaml.safe_load((Path(__file__).resolve().parent.parent / config).read_text())["applications"][0]
+    app = yaml.safe_load((Path(__file__).resolve().parents[2] / config).read_text())["applications"][0]
     models = plan(app["args"])
     assert len(models.models) >= 1 and all(s.served_name() for s in models.models)
     build_app(app["args"])  # no Ray cluster needed to build
