@@ -38,11 +38,11 @@ import httpx
 
 from benchmarks.agent.agent_report import print_report, write_docs
 from benchmarks.agent.agent_trace import AgentTrace, anthropic_body, build_trace, chat_messages
-from benchmarks.harness.client import EndpointConfig, stream_chat, wait_serving
+from benchmarks.harness.client import EndpointConfig, stream_chat
 from benchmarks.harness.docs import versions
 from benchmarks.harness.serve_bench import write_json
-from benchmarks.harness.servers import available, launched
-from benchmarks.harness.side_by_side import make_spec, served_model_name
+from benchmarks.harness.servers import available
+from benchmarks.harness.side_by_side import make_spec, serving, unavailable
 
 SERVERS = ("pomona", "mlx_lm.server")
 QUICK_TURNS = 3
@@ -163,16 +163,12 @@ async def _warmup(cfg: EndpointConfig) -> None:
 def run_server(name: str, api: str, model_dir: Path, port: int, out: Path, trace: AgentTrace,
                max_tokens: int) -> dict[str, Any]:
     spec = make_spec(name, model_dir, port, out)
-    why = available(spec)
-    if why:
-        print(f"[{name}] skipped: {why}", flush=True)
-        return {"label": name, "skipped": why}
-    print(f"[{name}] starting: {spec.command_text}", flush=True)
+    skipped = unavailable(name, spec)
+    if skipped is not None:
+        return skipped
     load_before = os.getloadavg()[0]
     try:
-        with launched(spec, out / "logs") as running:
-            cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
-            ready_s = running.up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
+        with serving(spec, out) as (_, cfg, ready_s):
             asyncio.run(_warmup(cfg))
             print(f"[{name}] serving after {ready_s:.1f} s; session over {api}", flush=True)
             turns, session_s = asyncio.run(run_session(_sender(api, cfg, trace, max_tokens), trace.turns))
@@ -195,9 +191,7 @@ def run_interleaved(names: list[str], apis: dict[str, str], model_dir: Path, bas
         cfgs = {}
         for name, spec in specs.items():
             print(f"[{name}] starting: {spec.command_text}", flush=True)
-            running = stack.enter_context(launched(spec, out / "logs"))
-            cfgs[name] = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
-            ready_s = running.up_s + asyncio.run(wait_serving(cfgs[name], spec.ready_timeout_s))
+            _, cfgs[name], ready_s = stack.enter_context(serving(spec, out))
             asyncio.run(_warmup(cfgs[name]))
             print(f"[{name}] serving after {ready_s:.1f} s; session over {apis[name]}", flush=True)
         sends = {name: _sender(apis[name], cfgs[name], trace, max_tokens) for name in names}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from benchmarks.harness.client import EndpointConfig, wait_serving
 from benchmarks.harness.goals import all_goals
@@ -29,7 +30,7 @@ from benchmarks.harness.proc_cpu import diff, machine_cpu_seconds
 from benchmarks.harness.pomona_server import pomona_server
 from benchmarks.harness.report import plot_sweep
 from benchmarks.harness.serve_bench import eos_extra_body, eos_ids_of, run_suite, run_workload, write_json
-from benchmarks.harness.servers import (ROOT, ServerSpec, available, blas_env, launched, mlx_lm_server,
+from benchmarks.harness.servers import (ROOT, Running, ServerSpec, available, blas_env, launched, mlx_lm_server,
                                 vllm_mlx_server)
 from benchmarks.harness.workloads import Suite, TextMaker, build, full_suite, quick_suite
 
@@ -79,6 +80,25 @@ def served_model_name(spec: ServerSpec) -> str:
         return spec.model_name
 
 
+def unavailable(name: str, spec: ServerSpec) -> dict[str, Any] | None:
+    """The result of a server that cannot run here, its reason printed; else None, its start announced."""
+    why = available(spec)
+    if why:
+        print(f"[{name}] skipped: {why}", flush=True)
+        return {"label": name, "skipped": why}
+    print(f"[{name}] starting: {spec.command_text}", flush=True)
+    return None
+
+
+@contextlib.contextmanager
+def serving(spec: ServerSpec, out: Path) -> Iterator[tuple[Running, EndpointConfig, float]]:
+    """The server started (logs under `out`/logs) and serving: its processes, its endpoint, and the
+    seconds from its start until it served. Stopped on leaving."""
+    with launched(spec, out / "logs") as running:
+        cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
+        yield running, cfg, running.up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
+
+
 def run_bare(model_dir: Path, quick: bool, concurrencies: Sequence[int], log_dir: Path,
              module: str = "benchmarks.engine.bare_loop", extra: Sequence[str] = ()) -> dict[str, Any]:
     """The bare loop (or `module`: benchmarks.engine.engine_loop, Pomona's engine in process) in its own
@@ -96,16 +116,12 @@ def run_server(name: str, model_dir: Path, port: int, out: Path, suite: Suite,
                maker: TextMaker, parts: Sequence[str], max_batch: int | None = None,
                warm: Sequence[int] = ()) -> dict[str, Any]:
     spec = make_spec(name, model_dir, port, out, max_batch)
-    why = available(spec)
-    if why:
-        print(f"[{name}] skipped: {why}", flush=True)
-        return {"label": name, "skipped": why}
-    print(f"[{name}] starting: {spec.command_text}", flush=True)
+    skipped = unavailable(name, spec)
+    if skipped is not None:
+        return skipped
     load_before = os.getloadavg()[0]
     try:
-        with launched(spec, out / "logs") as running:
-            cfg = EndpointConfig(spec.base_url, served_model_name(spec), spec.extra_body)
-            ready_s = running.up_s + asyncio.run(wait_serving(cfg, spec.ready_timeout_s))
+        with serving(spec, out) as (running, cfg, ready_s):
             print(f"[{name}] serving after {ready_s:.1f} s", flush=True)
             for c in warm:  # untimed: a GPU backend compiles kernels for each new batch shape
                 spec_c = replace(suite.sweep_spec(c), seed=7, num_requests=max(c, 2))
