@@ -1,6 +1,6 @@
 """Step channels, ingress side: one Ray stream per LLM server replica carrying every request's events.
 
-Ray Serve's path carries a few thousand stream items a second in all (benchmarks/token_path.py),
+Ray Serve's path carries a few thousand stream items a second in all (benchmarks/device/token_path.py),
 and each item costs the LLM server replica's GIL, which its MLX thread needs: on the H200 at 128
 concurrent the engine made 0.58x its in-process rate over HTTP with paced per-request streams and
 0.37x unpaced. So, as vLLM's engine core sends its frontend one output batch per step, each LLM

@@ -23,7 +23,7 @@ log = logging.getLogger("pomona.llm_server")
 
 HEALTH_PROBE_TIMEOUT_S = 20.0  # longer than the slowest bounded step (one prefill chunk)
 # Ray Serve's proxy -> ingress -> replica path carries about 1,300-2,600 stream items/s in all
-# (benchmarks/token_path.py), whatever each item holds; a replica stepping 128 requests every 12 ms
+# (benchmarks/device/token_path.py), whatever each item holds; a replica stepping 128 requests every 12 ms
 # would need 10,000. Below this budget nothing waits; above it each stream sends fewer, fuller items.
 DEFAULT_STREAM_ITEMS_PER_S = 1000.0
 MAX_PACING_INTERVAL_S = 0.2  # the most any token waits for company, however many streams run

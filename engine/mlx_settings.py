@@ -35,7 +35,7 @@ def apply(config: EngineConfig, cuda: bool | None = None,
     key length, mask and strides: keyed in MLX's LRU of plans), ~60 ms each on the H200, and an
     agent's growing conversation meets a new shape on ~4 of 9 later turns even with Pomona's
     bucketed prefill shapes (engine TTFT 105-129 ms there against 42-59 ms on turns whose shape was
-    seen; benchmarks/agent_breakdown.py, docs/accelerators.md). MLX's attention ops instead run a
+    seen; benchmarks/agent/agent_breakdown.py, docs/accelerators.md). MLX's attention ops instead run a
     chunk's scores as two matmuls and a softmax: no plan, more memory traffic, which an agent's
     suffix (hundreds of queries) barely notices. Metal and the CPU build no plans: nothing to set.
     """

@@ -77,7 +77,7 @@ class EngineStats:
 class ThreadTimes:
     """Where the MLX thread's time goes, summed (seconds): taking commands, engine steps (wall, and
     the thread's own CPU inside them), handing events to the event loops. Read before and after a
-    load (benchmarks/step_report.py) it says how long a step takes in this process, whether the
+    load (benchmarks/harness/step_report.py) it says how long a step takes in this process, whether the
     thread was busy or waiting (for the GIL, or for the GPU where its driver waits without spinning)."""
 
     commands: float = 0.0

@@ -10,12 +10,13 @@ sequence) against long contexts (`FAST_SOFTMAX_MIN_KEYS`), and `silu_mul` for mo
 below those sizes mlx-lm's own ops are faster. A prefill chunk (more queries) goes to `prefill_attention`: NumPy's exp is vectorised
 (AVX2/AVX-512 here), MLX's and the polynomial one are not at that size, and for an agent's
 follow-up turn (350 queries against 4,750 keys, SmolLM2's heads) the softmax alone took 215 ms in
-MLX and 20 ms in NumPy; the whole attention 5x less than MLX's own SDPA (benchmarks/attention_paths.py).
+MLX and 20 ms in NumPy; the whole attention 5x less than MLX's own SDPA (benchmarks/attention_paths.py,
+removed; last in ecdd556; docs/measurements.md).
 Quantized KV caches go to mlx-lm's code unchanged. (A table of rope cosines and sines was tried
 and measured no faster than `mx.fast.rope`: rope is a small share of the step.)
 
 `accelerate(model)` swaps them into a loaded mlx-lm llama model in place; `modelio.models` does it
-on the CPU backend only. Greedy outputs match mlx-lm's model (tests/test_cpu_llama.py).
+on the CPU backend only. Greedy outputs match mlx-lm's model (tests/modelio/test_cpu_llama.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Below Linux's ephemeral range (32768-60999), above Ray's worker ports (10002-19999) and the test
-# clusters' port bases (benchmarks/fleet_cluster.py: 21000-25800): a port the kernel hands out to
+# clusters' port bases (tests/fleet_cluster.py: 21000-25800): a port the kernel hands out to
 # some Ray process's outgoing connection between this pick and the bind collided once
 # ("Failed to bind to address 127.0.0.1:44217" at serve.start).
 PORTS = range(32000, 32768)

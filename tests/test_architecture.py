@@ -17,6 +17,8 @@
 - The engine host layer (the Serve replica's engine host, the engine process's parent side, the
   wire between them and the engine worker process) never imports Ray, not even through what it
   imports: the engine worker is a plain Python process, started and tested without Ray.
+- No module under tests/ imports benchmarks: the product's tests stand without the harness, whose
+  own checks live beside it (benchmarks/tests/); fixtures both use live under tests/.
 """
 
 from __future__ import annotations
@@ -270,3 +272,11 @@ def test_shared_fields_are_no_dialect_room_import() -> None:
     """A dialect reading the shared fields from the core room is allowed."""
     tree = ast.parse("from api.core.fields import tool_from\nfrom api.core.dialect import respond\n")
     assert api_room_violations(Path("api/anthropic/request.py"), tree) == []
+
+
+def test_tests_never_import_benchmarks() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}: imports {module}"
+             for path in sorted((ROOT / "tests").rglob("*.py"))
+             for line, module, _ in imports(ast.parse(path.read_text(), str(path)))
+             if module.split(".")[0] == "benchmarks"]
+    assert not found, "\n".join(found)

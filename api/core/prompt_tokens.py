@@ -1,7 +1,7 @@
 """Prompt text -> token ids, reusing the tokens of the longest prefix this tokenizer has already seen.
 
 Why: an agent resends its whole conversation every turn (15-20k tokens), and encoding it again
-took 30-65 ms of every turn's first token on the H200 host (benchmarks/agent_breakdown.py), about
+took 30-65 ms of every turn's first token on the H200 host (benchmarks/agent/agent_breakdown.py), about
 as long as the engine's work on the turn. A rendered chat prompt is a run of segments that each
 begin with a special token (`<|im_start|>`...), and a tokenizer splits its added tokens out of the
 text before anything else runs, so the ids of the text are the ids of the text before a segment

@@ -90,7 +90,7 @@ def prefill_shape(tokens: int, start: int, block: int) -> tuple[int, int]:
     its next power of two (at least `block`). Why: on MLX's CUDA backend the first forward of a
     shape cost an agent's turn ~90 ms more than the same shape again (H200, smollm2 shape, 15-20k
     tokens: engine TTFT 143-201 ms the first time, 54-85 ms under another cache salt;
-    benchmarks/agent_breakdown.py), and every turn of a growing conversation has a shape of its
+    benchmarks/agent/agent_breakdown.py), and every turn of a growing conversation has a shape of its
     own. Padding is masked (queries past a row's tokens are never read, keys past its length never
     attended) and costs a GPU little: at most an eighth more keys and a block more queries.
     Measured (H200 agent session, benchmarks/results/device-s16/): these buckets, later turns

@@ -67,7 +67,7 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
 # past 4 decoding rows the step runner proposes nothing there (engine/step/backend.py,
 # SPEC_MAX_ROWS_CPU). Not measured on a GPU yet (the session's H200 time went to the prefix-cache
 # work): off there until it is, since a step that verifies gives up overlapping its build with the
-# previous step, which a host-bound GPU step relies on (`python -m benchmarks.speculative MODEL` on
+# previous step, which a host-bound GPU step relies on (`python -m benchmarks.engine.speculative MODEL` on
 # the device decides it).
 AUTO_ON_CPU = True
 AUTO_ON_GPU = False

@@ -1,0 +1,90 @@
+"""The benchmark harness against a real OpenAI-compatible server (mlx_lm.server on a tiny random
+model): metrics are computed, outputs are fixed-length, JSON and plots are written. No speed checks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from benchmarks.harness import serve_bench
+from benchmarks.harness.client import RequestResult, aggregate, percentile
+from benchmarks.harness.workloads import TextMaker, WorkloadSpec, build
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_server(tiny_model_dir: Path) -> Iterator[str]:
+    import asyncio
+
+    from benchmarks.harness.client import wait_ready
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(tiny_model_dir),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        asyncio.run(wait_ready(f"http://127.0.0.1:{port}/v1", timeout_s=60, alive=lambda: proc.poll() is None))
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_workloads_are_seeded_and_token_exact(tiny_model_dir: Path) -> None:
+    maker = TextMaker(tiny_model_dir)
+    spec = WorkloadSpec("p", "prefix", num_requests=6, input_len=12, output_len=4, prefix_len=40, num_prefixes=2)
+    a, b = build(spec, maker), build(spec, maker)
+    assert a == b
+    assert len({c.system for c in a}) == 2 and len({c.turns for c in a}) == 6
+    # Re-tokenising decoded text can merge across the cut; allow a token or two of slack.
+    assert all(abs(maker.count(c.system or "") - 40) <= 2 for c in a)
+    mt = build(WorkloadSpec("m", "multiturn", num_requests=2, input_len=8, turns=3), maker)
+    assert [len(c.turns) for c in mt] == [3, 3]
+
+
+def test_aggregate_math() -> None:
+    rs = [RequestResult(ok=True, conv_id=i, turn=0, start=0.0, ttft=0.1 * (i + 1), e2e=1.0,
+                        itl=(0.05, 0.05), output_tokens=10, prompt_tokens=100, cached_tokens=50)
+          for i in range(4)]
+    rs.append(RequestResult(ok=False, conv_id=9, turn=0, start=0.0, error="boom"))
+    agg = aggregate(rs, duration=2.0)
+    assert agg["completed"] == 4 and agg["errors"] == 1
+    assert agg["output_throughput"] == pytest.approx(20.0)
+    assert agg["cached_token_share"] == pytest.approx(0.5)
+    assert agg["ttft_ms"]["p50"] == pytest.approx(250.0)
+    assert agg["tpot_ms"]["mean"] == pytest.approx((1.0 - 0.25) / 9 * 1000)
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+
+
+def test_cli_against_mlx_lm_server(mlx_lm_server: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rc = serve_bench.main(["--server", f"mlx_lm={mlx_lm_server}", "--model", str(tiny_model_dir),
+                           "--tokenizer", str(tiny_model_dir), "--quick", "--concurrency", "1,4",
+                           "--parts", "sweep,multiturn,rate", "--request-rate", "20", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    server = data["servers"]["mlx_lm"]
+    for agg in server["sweep"].values():
+        assert agg["errors"] == 0
+        assert agg["usage_reported_share"] == 1.0
+        # logit_bias on EOS keeps every output at exactly max_tokens
+        assert agg["total_output_tokens"] == agg["completed"] * data["suite"]["random"]["output_len"]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(agg[key]) == {"mean", "p50", "p95", "p99"}
+    rate = server["rates"]["20.0"]  # Poisson arrivals: same metrics, open loop
+    assert rate["errors"] == 0 and rate["request_rate"] == 20.0 and rate["completed"] > 0
+    turns = server["multiturn"]["ttft_p50_ms_by_turn"]
+    assert len(turns) == data["suite"]["multiturn"]["turns"]
+    assert server["multiturn"]["cached_tokens"] > 0  # mlx_lm.server reuses the chat history
+    assert (out / "throughput_vs_concurrency.png").stat().st_size > 0
+    assert (out / "ttft_vs_concurrency.png").stat().st_size > 0
