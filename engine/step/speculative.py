@@ -65,12 +65,15 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
 # Where `auto` turns speculation on: only where it was measured to pay. Measured on the 2-core box
 # (docs/measurements.md, issue 34): prompt lookup pays on the CPU for one stream (1.4-2.3x) and a few;
 # past 4 decoding rows the step runner proposes nothing there (engine/step/backend.py,
-# SPEC_MAX_ROWS_CPU). Not measured on a GPU yet (the session's H200 time went to the prefix-cache
-# work): off there until it is, since a step that verifies gives up overlapping its build with the
-# previous step, which a host-bound GPU step relies on (`python -m benchmarks.engine.speculative MODEL` on
-# the device decides it).
+# SPEC_MAX_ROWS_CPU). On the H200 (SmolLM2-135M-Instruct 4-bit as Pomona serves it, engine in
+# process, `bash benchmarks/device/device_http.sh spec`, benchmarks/results/device-s17/): one
+# decoding row gained on every workload (code-edit 3.00x, random text 1.26-1.60x, the agent
+# session's turns 1.39x); at 8 rows code-edit 2.37x and random 1.23x but the agent turns lost
+# (0.62x), and at 32 random text lost (0.80x). So on a GPU `auto` proposes while one row decodes
+# (AUTO_MAX_ROWS_GPU); an explicit mapping has no row limit there.
 AUTO_ON_CPU = True
-AUTO_ON_GPU = False
+AUTO_ON_GPU = True
+AUTO_MAX_ROWS_GPU = 1
 
 
 def resolve(value: "str | SpecConfig", on_cpu: bool) -> SpecConfig | None:

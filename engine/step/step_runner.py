@@ -34,7 +34,7 @@ from engine.step.kv_table import Batch, SlotKV, flat_views, layer_shapes, suppor
 from engine.step.plan import MIN_PREFILL_TOKENS, SlotTable, StallBudget, plan_prefill, round_up, row_bucket
 from engine.step.records import Slot, Work, merge
 from engine.step.sampling import first_token, process_logits, sample, sample_positions
-from engine.step.speculative import SpecConfig, accepted, new_state, resolve
+from engine.step.speculative import AUTO_MAX_ROWS_GPU, SpecConfig, accepted, new_state, resolve
 
 FLAT_EXTRA_POSITIONS = 4  # what a CPU flat forward's parts cost beyond a plain forward, in positions
 SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
@@ -88,6 +88,11 @@ class StepRunner:
         # tokens attend to, and the table keeps no copy to roll back to.
         self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
             else resolve(config.speculative, self._backend.on_cpu)
+        # Most decoding rows with which a step still proposes: the backend's floor, and on a GPU
+        # under "auto" the rows it was measured to pay at (engine/step/speculative.py).
+        self._spec_rows = self._backend.spec_max_rows
+        if config.speculative == "auto" and not self._backend.on_cpu:
+            self._spec_rows = AUTO_MAX_ROWS_GPU
         self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
         self._draft: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft":
@@ -281,8 +286,9 @@ class StepRunner:
         return out
 
     def _crowded(self, decoding: int) -> bool:
-        """Whether so many rows decode that none may propose (`StepBackend.spec_max_rows`)."""
-        limit = self._backend.spec_max_rows
+        """Whether so many rows decode that none may propose (`StepBackend.spec_max_rows`, or
+        `AUTO_MAX_ROWS_GPU` under "auto" on a GPU)."""
+        limit = self._spec_rows
         return limit is not None and decoding > limit
 
     def _start(self, speculate: bool = False) -> Work | None:

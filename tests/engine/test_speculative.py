@@ -118,6 +118,19 @@ def test_the_gpus_step_verifies_in_one_padded_forward_and_matches(model, k):
     assert proposed > taken > 0
 
 
+def test_auto_on_a_gpu_proposes_for_one_decoding_row_only(model):
+    """H200: one decoding row gained on every workload, several lost on some (AUTO_MAX_ROWS_GPU)."""
+    jobs = echo_jobs(model, seed=7, n=1)
+    seen: dict = {}
+    ours = drive(model, spec_runner("auto", seen, on_cpu=False), jobs, max_running=8)
+    assert_same(ours, drive(model, Runner, jobs, max_running=8))
+    assert counts(seen["runner"])[0] > 0  # a lone stream speculates
+    crowded = seen["runner"]._crowded  # noqa: SLF001 - our own class
+    assert not crowded(1) and crowded(2)
+    spec_runner(SpecConfig(), seen, on_cpu=False)(model, EngineConfig())
+    assert not seen["runner"]._crowded(32)  # noqa: SLF001 - an explicit mapping: no row limit on a GPU
+
+
 def test_a_finished_requests_cache_holds_no_rejected_position(model):
     """The cache handed back at the end covers exactly its tokens, with the keys a fresh prefill of
     them gives (a rejected proposal's keys would differ where it was written)."""
