@@ -9,6 +9,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Tests mirror the source rooms (tests/engine/, tests/api/, ...) and share helpers by module name
+# (`from test_step_runner import drive`): every room's folder is importable from every other, as
+# the top level is, whatever order pytest collects them in.
+for _room in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    sys.path.append(str(_room))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The OpenAPI description the ingress publishes at `GET /openapi.json` (no Ray).
 
-Built from the configured limits, so a schema-driven client or fuzzer (tests/test_reliability_fuzz.py)
+Built from the configured limits, so a schema-driven client or fuzzer (tests/e2e/test_reliability_fuzz.py)
 sees the bounds this server enforces. Schemas stay within the subset JSON Schema draft 7 and
 OpenAPI 3.1 share (no `prefixItems`, no `$defs` across documents), so draft-7 tools read them too.
 The parsers (api/core/fields.py and each dialect room's) stay the authority: the schema describes,

@@ -1,6 +1,6 @@
 """Several people on one server, without Ray: key sources that fail closed, scopes, tenants, the
 cache salt on every hop to the engine, owned stored responses, and the per-request bounds
-(tokenizer queue, grammar caches, route labels). tests/test_tenants_e2e.py has the same promises
+(tokenizer queue, grammar caches, route labels). tests/e2e/test_tenants_e2e.py has the same promises
 over real HTTP on a real Ray Serve."""
 
 from __future__ import annotations

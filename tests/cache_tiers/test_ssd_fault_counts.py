@@ -2,7 +2,7 @@
 counter, exactly; the damaged block removed; serving and later writes continue.
 
 The end-to-end versions (a running server, the directory damaged behind its back) are in
-tests/test_reliability_ssd.py; these pin down each counter on the tier itself.
+tests/e2e/test_reliability_ssd.py; these pin down each counter on the tier itself.
 """
 
 from __future__ import annotations

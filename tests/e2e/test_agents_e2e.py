@@ -120,7 +120,7 @@ def test_readme_tool_loop_runs_as_written(base, capsys):
     """The README's openai-SDK tool loop, run against the default model (only its URL changed)."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = readme.split("```python\n")[1:]
     [code] = [b.split("```")[0] for b in blocks if 'tool_choice="required"' in b]
     exec(compile(code.replace("http://127.0.0.1:8000/v1", f"{base}/smol/v1"), "README.md", "exec"), {})

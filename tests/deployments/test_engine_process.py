@@ -30,7 +30,7 @@ from engine.loop import AsyncEngine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, InvalidRequestError,
                           OverloadedError, Request, SamplingParams)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(model: Path, **overrides) -> EngineConfig:
