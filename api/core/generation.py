@@ -311,10 +311,25 @@ class Run:
 
 async def start_all(pipeline: Pipeline, prepared: Prepared, rid: str, n: int) -> list[Run]:
     """Start n choices of one prompt together: the engine computes the shared prompt once (a waiting
-    prompt that shares a prefill in progress waits for its cache) and each choice samples its own."""
-    results = await asyncio.gather(*(pipeline.start(prepared, rid, i) for i in range(n)), return_exceptions=True)
-    runs = [r for r in results if isinstance(r, Run)]
-    failed = [r for r in results if isinstance(r, BaseException)]
+    prompt that shares a prefill in progress waits for its cache) and each choice samples its own.
+
+    A run counts itself in flight until it is closed, so none may be lost: a client that leaves
+    while the choices start cancels this call, and the choices that had started are closed here
+    (`gather` would drop their results: the in-flight gauge stayed up and the engine kept decoding
+    for nobody, seen in tests/e2e/test_reliability_overload.py's soak)."""
+    if n == 1:  # no task: a cancellation lands inside `start`, which closes its stream itself
+        return [await pipeline.start(prepared, rid, 0)]
+    tasks = [asyncio.ensure_future(pipeline.start(prepared, rid, i)) for i in range(n)]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        await close_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+        raise
+    runs = [t.result() for t in tasks if t.exception() is None]
+    failed = [t.exception() for t in tasks if t.exception() is not None]
     if failed:
         await close_all(runs)
         raise failed[0]

@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
+import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -136,5 +137,10 @@ class SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._on_close()
+            # Shielded: a disconnect cancels this task through anyio's cancel scope, which cancels
+            # every await inside it again (level-triggered), so an unshielded `aclose` would raise
+            # and `on_close` (which closes the runs: the in-flight gauge, the engine's request)
+            # would never run.
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._on_close()
