@@ -61,6 +61,14 @@ def test_paced_stream_sends_every_token_in_fewer_items(engine: Any) -> None:
     assert len(paced) < TOKENS // 2, [len(i) for i in paced]
 
 
+def test_the_per_request_path_paces_by_the_engines_own_step_time(engine: Any) -> None:
+    """Without step channels the replica paces each stream itself, in units of the engine's step
+    time (its stats' moving average): 100 steps a stream makes one item per 24-token request."""
+    by_time = asyncio.run(_items(_host(engine, StreamPacing(items_per_s=0, steps=100.0, max_interval_s=5.0)), "t"))
+    assert sum(e["token"] is not None for i in by_time for e in i) == TOKENS
+    assert len(by_time) <= 3, [len(i) for i in by_time]  # the first token, then (almost) all the rest
+
+
 def test_client_leaving_while_paced_aborts_the_request(engine: Any) -> None:
     host = _host(engine, StreamPacing(items_per_s=0.5, max_interval_s=2.0))
 
