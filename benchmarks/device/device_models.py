@@ -22,7 +22,11 @@ MODEL_TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, n
 # 32k: the agent trace (benchmarks/agent/agent_trace.py) is ~21k tokens with these random BPE tokenizers and the
 # side-by-side multi-turn part passes 4,096 by its last turns (random replies re-tokenize longer).
 CONTEXT = 32768
-SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
+# BOS, EOS, then ChatML's turn markers as special tokens, as every chat checkpoint has them (SmolLM2's
+# ids 1 and 2): the served models' template is ChatML, and a marker spelled out in bytes would make
+# every prompt a run of plain text, which no real chat tokenizer gives a server (Pomona encodes an
+# agent's resent conversation only past the last turn marker it has seen: api/core/prompt_tokens.py).
+SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>")
 
 
 def build_model(shape: dict, dtype: mx.Dtype, seed: int) -> tuple[Any, int]:
@@ -65,7 +69,7 @@ def _bpe_vocab(vocab_size: int, seed: int) -> tuple[dict[str, int], list[tuple[s
 def build_tokenizer(vocab_size: int, seed: int, folder: Path) -> Any:
     """A byte-level BPE tokenizer with exactly `vocab_size` ids, loaded the way mlx-lm loads one.
 
-    Two specials at the end (EOS last), like Llama 3's layout. `mlx_lm.tokenizer_utils.load` sees
+    The specials (BOS, EOS, the ChatML markers) take the last ids, like Llama 3's layout. `mlx_lm.tokenizer_utils.load` sees
     the ByteLevel decoder and picks `BPEStreamingDetokenizer`, the detokenizer Llama 3 and Qwen
     checkpoints get.
     """
