@@ -35,7 +35,7 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
         args["model"] = str(model_dir)
         args.update(app_args or {})
         if engine:
-            args["engine"] = {**(args.get("engine") or {}), **engine}
+            args["engine"] = _merged(args.get("engine") or {}, engine)
         cache = ((args.get("engine") or {}).get("cache") or {})
         if cache.get("ssd_dir"):
             # Keep the SSD tier as configured, but empty: the default directory outlives runs, and an
@@ -45,6 +45,15 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"{name}_serve_config.yaml"
     out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid over `base`, mappings merged key by key (`{"cache": {"ssd_dir": None}}` keeps the
+    rest of the cache settings)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 

@@ -53,7 +53,7 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
     --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
     if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
-                "pomona-mlxlm"):
+                "pomona-mlxlm", "pomona-nossd"):
         app_args = {"pomona-unpaced": {"stream_items_per_s": 0, "stream_pacing_steps": 0},
                     "pomona-budget": {"stream_items_per_s": 1000, "stream_pacing_steps": 0}, "pomona-nochannel": {"step_channel": False},
                     "pomona-inproc": {"engine_process": False}}
@@ -62,6 +62,8 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
             engine["cpu_fast_paths"] = False
         if name == "pomona-mlxlm":
             engine["engine_step"] = "mlx_lm"
+        if name == "pomona-nossd":  # the SSD tier off, the rest of the cache settings as configured
+            engine["cache"] = {"ssd_dir": None}
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine or None,
                              app_args=app_args.get(name), name=name,
                              env=THROUGHPUT_ENV if name == "pomona-throughput" else None)

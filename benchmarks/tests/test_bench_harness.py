@@ -88,3 +88,22 @@ def test_cli_against_mlx_lm_server(mlx_lm_server: str, tiny_model_dir: Path, tmp
     assert server["multiturn"]["cached_tokens"] > 0  # mlx_lm.server reuses the chat history
     assert (out / "throughput_vs_concurrency.png").stat().st_size > 0
     assert (out / "ttft_vs_concurrency.png").stat().st_size > 0
+
+
+def test_the_nossd_spec_turns_only_the_ssd_tier_off(tmp_path: Path) -> None:
+    """`pomona-nossd` (the SSD on/off pair in one run) keeps every other cache setting as configured."""
+    import yaml
+
+    from benchmarks.harness.pomona_server import SERVE_CONFIG
+    from benchmarks.harness.side_by_side import make_spec
+
+    base = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]["engine"]["cache"]
+    configs = {}
+    for name in ("pomona", "pomona-nossd"):
+        make_spec(name, tmp_path / "model", 18000, tmp_path)
+        app = yaml.safe_load((tmp_path / f"{name}_serve_config.yaml").read_text())["applications"][0]
+        configs[name] = app["args"]["engine"]["cache"]
+    assert configs["pomona-nossd"] == {**base, "ssd_dir": None}
+    assert configs["pomona"]["ssd_dir"] == str(tmp_path / "pomona-ssd-cache")
+    assert {k: v for k, v in configs["pomona"].items() if k != "ssd_dir"} == \
+        {k: v for k, v in base.items() if k != "ssd_dir"}
