@@ -20,6 +20,10 @@
 # agent:   benchmarks/agent/agent_session.py: the 10-turn agent trace (15-20k-token prompts), both servers up,
 #          each turn sent to one then the other (interleaved). ~190 s on the H200; AGENT_TIMEOUT (420 s),
 #          AGENT_TURNS (10). $OUT/agent-<shape>.json, $OUT/logs-agent.tgz.
+# path:    benchmarks/agent/serving_path.py, Pomona alone: the agent turns over HTTP, each turn's TTFT split into the
+#          engine's, the hops (ingress <-> replica <-> engine process) and the front (proxy, parse, template,
+#          tokenize, SSE), twice (the second pass under another cache salt). ~90 s; PATH_TIMEOUT (200 s).
+#          $OUT/path-<shape>.json.
 # reuse:   benchmarks/harness/side_by_side.py --parts prefix,multiturn: prefix repetition (4 x 2,000-token prefixes,
 #          32 requests, 4 concurrent) and multi-turn (4 conversations x 8 turns), both servers one after the
 #          other, one untimed warm pass at 1 and 4 first. ~150 s; REUSE_TIMEOUT (240 s).
@@ -132,6 +136,10 @@ for what in ${1//,/ }; do
       cp "$run/results.json" "$OUTDIR/agent-$SHAPE.json" 2>/dev/null
       tar -czf "$OUTDIR/logs-agent.tgz" -C "$run" logs
       python3 -m benchmarks.device.device_goals --shape "$SHAPE" --agent "$OUTDIR/agent-$SHAPE.json" --only-given ;;
+    path)
+      M=$(agent_model) || { echo "[path] could not build the $SHAPE model"; continue; }
+      bounded "${PATH_TIMEOUT:-200}" python3 -m benchmarks.agent.serving_path "$M" --passes 2 --port "$AGENT_PORT" \
+        --out "$OUTDIR/path-$SHAPE.json" 2>/tmp/serving_path.stderr || tail -c 2000 /tmp/serving_path.stderr ;;
     breakdown)  # the agent turns in process (benchmarks/agent/agent_breakdown.py) under py-spy: where a turn goes
       M=$(agent_model) || { echo "[breakdown] could not build the $SHAPE model"; continue; }
       spy=(py-spy record -r 200 --threads -f raw -o "$OUTDIR/breakdown${BREAKDOWN_TAG:-}.pyspy" --)

@@ -154,3 +154,16 @@ def test_docs_section_is_replaced_and_kept(tmp_path: Path) -> None:
     assert text.startswith("# Benchmarks\n\nside by side\n") and text.count("## Agent") == 1
     assert "second run" in text and "first run" not in text
     assert kept_sections("# regenerated\n" + text) == "\n" + text[text.index("<!-- section:"):]
+
+
+def test_serving_path_splits_a_turn_by_the_servers_own_sums() -> None:
+    from benchmarks.agent.serving_path import ENGINE_TTFT, INGRESS_TTFT, metric_sums, split
+
+    text = ("# TYPE pomona_time_to_first_token_seconds histogram\n"
+            'pomona_time_to_first_token_seconds_sum{route="a"} 1.5\n'
+            'pomona_time_to_first_token_seconds_sum{route="b"} 0.5\n'
+            "# TYPE pomona_engine_ttft_seconds_sum gauge\npomona_engine_ttft_seconds_sum 1.25\n")
+    after = metric_sums(text, (ENGINE_TTFT, INGRESS_TTFT))
+    assert after == {ENGINE_TTFT: 1.25, INGRESS_TTFT: 2.0}
+    row = split(0.9, {ENGINE_TTFT: 1.0, INGRESS_TTFT: 1.2}, after)
+    assert row == pytest.approx({"client_ms": 900.0, "engine_ms": 250.0, "hops_ms": 550.0, "front_ms": 100.0})
