@@ -1,6 +1,7 @@
 """Where an agent turn's first token goes over HTTP: the client's TTFT split by Pomona's own clocks.
 
     python -m benchmarks.agent.serving_path MODEL_DIR [--turns 10] [--passes 2] [--out FILE.json]
+        [--server pomona-inproc]   # a variant of the harness (the engine inside the replica, ...)
 
 One Pomona server (the default serve_config.yaml, the harness's `pomona` spec), the agent trace's
 turns over `POST /v1/messages`, and around each turn a scrape of `/metrics`, whose sums give:
@@ -101,13 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--port", type=int, default=18170)
+    p.add_argument("--server", default="pomona", help="the harness's Pomona variant (side_by_side.make_spec)")
     p.add_argument("--out", default=None, help="write the rows and summary here (JSON)")
     args = p.parse_args(argv)
     _, count = token_counter(Path(args.model))
     trace = build_trace(count, args.turns)
     run_dir = Path(tempfile.mkdtemp(prefix="pomona-serving-path-"))
-    with serving(make_spec("pomona", Path(args.model), args.port, run_dir), run_dir) as (_, cfg, ready_s):
-        print(f"[pomona] serving after {ready_s:.1f} s", flush=True)
+    with serving(make_spec(args.server, Path(args.model), args.port, run_dir), run_dir) as (_, cfg, ready_s):
+        print(f"[{args.server}] serving after {ready_s:.1f} s", flush=True)
         rows = asyncio.run(_session(cfg.base_url, cfg.model, trace, trace.turns, args.passes))
     out = {"rows": rows, "median_turns_2_plus": summary(rows)}
     if args.out:
