@@ -36,6 +36,8 @@ def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, 
     engine["model"] = model_dir
     if max_running:
         engine["max_running"] = max_running
+        # Fewer running than the configured prefill batch (one stream, say): a batch that fits, not an error.
+        engine["prefill_batch"] = min(int(engine.get("prefill_batch", max_running)), max_running)
     cache = dict(engine.get("cache") or {})
     if cache.get("ssd_dir"):
         cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/harness/pomona_server.py); None: no SSD tier

@@ -146,7 +146,11 @@ async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
 
 
 def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int, spec: Any,
-        workloads: Sequence[str], max_running: int | None, per_level: int = 2) -> dict[str, Any]:
+        workloads: Sequence[str], max_running: int | None, per_level: int = 2, alone: int = 0) -> dict[str, Any]:
+    """`alone`: also run that many of a level's prompts one at a time with speculation off, and say
+    whether the batched "off" outputs equal them: when they do not, batching alone changes greedy
+    output (a backend's numerics with another batch shape), and a difference between "on" and
+    "off" there is no fault of speculation. Repeats >= 2 also compare the two "off" runs."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from benchmarks.engine.bare_loop import chat_prompts
@@ -178,6 +182,14 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                 off = max(x["tok_s"] for x in row["off"])
                 on = max(x["tok_s"] for x in row["on"])
                 same = all(a["outputs"] == b["outputs"] for a, b in zip(row["off"], row["on"]))
+                pairs = list(zip(row["off"][0]["outputs"], row["on"][0]["outputs"]))
+                checks: dict[str, Any] = {"same_requests": f"{sum(a == b for a, b in pairs)}/{len(pairs)}"}
+                if repeats >= 2:
+                    checks["off_repeat_same"] = row["off"][0]["outputs"] == row["off"][1]["outputs"]
+                if alone:
+                    solo = await level(engines["off"], prompts[:alone], max_tokens, f"{workload}-{c}-alone", 1)
+                    checks["off_alone_same"] = f"{sum(a == b for a, b in zip(solo['outputs'], row['off'][0]['outputs']))}/{len(solo['outputs'])}"
+                    checks["on_alone_same"] = f"{sum(a == b for a, b in zip(solo['outputs'], row['on'][0]['outputs']))}/{len(solo['outputs'])}"
                 proposed = sum(x["proposed"] for x in row["on"])
                 accepted = sum(x["accepted"] for x in row["on"])
                 results[f"{workload}/{c}"] = {
@@ -185,7 +197,7 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                     "ratio": round(on / off, 3), "same_tokens": same, "proposed": proposed, "accepted": accepted,
                     "accept_rate": round(accepted / proposed, 3) if proposed else None,
                     "tokens_per_request": round(row["on"][0]["tokens"] / len(prompts), 1),
-                    "runner": row["on"][0]["kind"]}
+                    "runner": row["on"][0]["kind"], **checks}
                 print(_line(results[f"{workload}/{c}"]), flush=True)
         for engine in engines.values():
             await engine.shutdown(drain_s=0)
@@ -196,7 +208,9 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
 
 def _line(r: dict[str, Any]) -> str:
     return (f"{r['workload']:>10} c={r['concurrency']:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
-            f"tok/s  x{r['ratio']:.2f}  same={r['same_tokens']}  accepted {r['accepted']}/{r['proposed']}")
+            f"tok/s  x{r['ratio']:.2f}  same={r['same_tokens']}  accepted {r['accepted']}/{r['proposed']}"
+            + "".join(f"  {k}={r[k]}" for k in ("same_requests", "off_repeat_same", "off_alone_same", "on_alone_same")
+                      if k in r))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,12 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workloads", default="code-edit,random", help="of code-edit, random, agent")
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--per-level", type=int, default=2, help="requests per level, in units of its concurrency")
+    p.add_argument("--alone", type=int, default=0, metavar="N",
+                   help="also run N of each level's prompts alone, speculation off, and compare (batch numerics)")
     p.add_argument("--quick", action="store_true", help="1 and 8 concurrent, 128 tokens (the 2-core CPU box)")
     args = p.parse_args(argv)
     concurrencies = [1, 8] if args.quick else [int(c) for c in args.concurrency.split(",")]
     max_tokens = 128 if args.quick else args.max_tokens
     results = run(args.model, concurrencies, max_tokens, args.repeats, yaml.safe_load(args.spec),
-                  args.workloads.split(","), args.max_running, args.per_level)
+                  args.workloads.split(","), args.max_running, args.per_level, args.alone)
     print(json.dumps({"model": args.model, "max_tokens": max_tokens, "spec": args.spec, "results": results}))
     return 0
 

@@ -107,3 +107,36 @@ def test_the_nossd_spec_turns_only_the_ssd_tier_off(tmp_path: Path) -> None:
     assert configs["pomona"]["ssd_dir"] == str(tmp_path / "pomona-ssd-cache")
     assert {k: v for k, v in configs["pomona"].items() if k != "ssd_dir"} == \
         {k: v for k, v in base.items() if k != "ssd_dir"}
+
+
+def test_spec_replay_counts_what_the_engine_proposes_and_accepts(tiny_model_dir: Path) -> None:
+    """The replay (benchmarks/engine/spec_replay.py) runs the step's own proposal classes over a greedy
+    output: for one request it must propose and accept exactly what the engine's step did."""
+    import asyncio
+    import random
+
+    from benchmarks.engine.engine_loop import engine_config
+    from benchmarks.engine.spec_replay import one_row_floor, replay
+    from benchmarks.engine.speculative import _one
+    from engine.loop import AsyncEngine
+
+    rng = random.Random(3)
+    phrase = [rng.randrange(5, 200) for _ in range(24)]
+    prompt = phrase * 4 + phrase[:5]  # the model's greedy output tends to run on with what it has seen
+
+    async def run(spec: object) -> tuple[list[int], dict]:
+        engine = AsyncEngine(engine_config(str(tiny_model_dir), 8, None, True, {"speculative": spec}))
+        await engine.wait_ready()
+        try:
+            out = await _one(engine, prompt, 80, "r")
+            return out, (await engine.call(lambda e: e.status()))["runner"]
+        finally:
+            await engine.shutdown(drain_s=0)
+
+    off, _ = asyncio.run(run("off"))
+    on, counts = asyncio.run(run({"method": "prompt_lookup"}))
+    assert on == off
+    result = replay([{"prompt": prompt, "output": off}], {}, one_row_floor("cpu"))
+    assert counts["spec_proposed_tokens"] > 0
+    assert (result["proposed"], result["accepted"]) == (counts["spec_proposed_tokens"], counts["spec_accepted_tokens"])
+    assert result["tokens"] == len(off) - 1 and result["steps"] == len(off) - 1 - result["accepted"]
