@@ -40,7 +40,8 @@
 #          BREAKDOWN_PYSPY=0 (no py-spy).
 # spec:    benchmarks/engine/speculative.py (issue 34): speculation off / on in process on a real model
 #          (SPEC_MODEL, default /tmp/models/smollm2-real: the default model's directory, carried), code-edit,
-#          random and agent workloads at 1, 8, 32 (SPEC_LEVELS, SPEC_WORKLOADS, SPEC_ON, SPEC_TOKENS). $OUT/spec.log.
+#          random and agent workloads at 1, 8, 32 (SPEC_LEVELS, SPEC_WORKLOADS, SPEC_ON, SPEC_TOKENS; SPEC_FLAGS, e.g.
+#          "--repeats 2 --alone 8": warm shapes, and batched greedy output against each prompt alone). $OUT/spec$SPEC_TAG.log.
 # goals:   benchmarks/device/device_goals.py: the issue's ratios from whichever of those files $OUT holds (each
 #          part also prints its own). Each part runs under `timeout -s INT -k 45` (on the interrupt the
 #          benchmark stops its servers and keeps what it measured) and reports its time as "[part] N s".
@@ -123,9 +124,9 @@ for what in ${1//,/ }; do
       # Instruct as Pomona serves it, 4-bit; its context raised to 16k for the agent turns, 5-8k tokens)
       bounded "${SPEC_TIMEOUT:-360}" python3 -m benchmarks.engine.speculative "${SPEC_MODEL:-/tmp/models/smollm2-real}" \
         --concurrency "${SPEC_LEVELS:-1,8,32}" --workloads "${SPEC_WORKLOADS:-code-edit,random,agent}" \
-        --spec "${SPEC_ON:-{method: prompt_lookup}}" --max-tokens "${SPEC_TOKENS:-300}" >"$OUTDIR/spec.log" \
+        --spec "${SPEC_ON:-{method: prompt_lookup}}" --max-tokens "${SPEC_TOKENS:-300}" ${SPEC_FLAGS:-} >"$OUTDIR/spec${SPEC_TAG:-}.log" \
         2>/tmp/spec.stderr || tail -c 2000 /tmp/spec.stderr
-      grep -v '^{' "$OUTDIR/spec.log" ;;
+      grep -v '^{' "$OUTDIR/spec${SPEC_TAG:-}.log" ;;
     agent)
       M=$(agent_model) || { echo "[agent] could not build the $SHAPE model"; continue; }
       run=/tmp/agent-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
