@@ -233,6 +233,35 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     assert PromptLookup(1, 3).propose([4, 4], 5) == [4]  # only what is known
 
 
+def _reference_proposal(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Prompt lookup by scanning: the longest suffix n-gram's latest earlier occurrence."""
+    end = len(tokens)
+    for n in range(min(ngram_max, end), ngram_min - 1, -1):
+        suffix = tokens[end - n:]
+        for start in range(end - n - 1, -1, -1):  # occurrences that end before the last token
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:min(start + n + k, end)]
+    return []
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([3, 7, 50, 1 << 22]), ngram_max=st.integers(1, 5),
+       steps=st.lists(st.integers(1, 150), min_size=1, max_size=8), big_at=st.integers(0, 400))
+def test_prompt_lookup_index_equals_a_scan_whatever_it_grows_by(seed, vocab, ngram_max, steps, big_at):
+    """The index (packed keys, NumPy for long runs, tuple keys past 21-bit ids) proposes what a scan
+    of the tokens finds, as the tokens grow by whole prompts and by a few tokens a step; an id too
+    large to pack may arrive at any point (vocab 1 << 22, or one such id at `big_at`)."""
+    rng = random.Random(seed)
+    lookup = PromptLookup(1, ngram_max)
+    tokens: list[int] = []
+    for grow in steps:
+        tokens += [rng.randrange(vocab) for _ in range(grow)]
+        if len(tokens) > big_at >= len(tokens) - grow:
+            tokens[big_at] = (1 << 21) + 5
+        for k in (1, 4):
+            assert lookup.propose(tokens, k) == _reference_proposal(tokens, k, 1, ngram_max)
+
+
 def test_adaptive_k_follows_acceptance_and_the_floor_and_backs_off_when_it_does_not_pay():
     a = Adaptive(8)
     assert a.budget(0.1) >= 2  # a prior of 0.6: 0.6**4 = 0.13
