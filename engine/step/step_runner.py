@@ -155,7 +155,7 @@ class StepRunner:
             raise
         self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
                                         list(tokens), list(cached), len(cached),
-                                        spec=new_state(self.speculative) if self.speculative else None)
+                                        spec=new_state(self.speculative, cached, tokens) if self.speculative else None)
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,

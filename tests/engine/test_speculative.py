@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engine.config import EngineConfig
 from engine.batch_generator import BatchGeneratorRunner as Runner  # mlx-lm's: the reference
 from engine.sampling import make_decoding
-from engine.step.speculative import Adaptive, PromptLookup, SpecConfig, accepted, parse_speculative
+from engine.step import speculative
+from engine.step.speculative import (Adaptive, PendingLookup, PromptLookup, SpecConfig, accepted, new_state,
+                                     parse_speculative)
 from engine.step.step_runner import StepRunner
 from engine.types import SamplingParams
 from modelio.cpu_llama import accelerate
@@ -79,6 +81,22 @@ def test_echo_prompts_match_without_speculation_and_accept_most(model):
     assert proposed > 0 and taken > proposed * 0.3, (proposed, taken)
 
 
+def test_long_prompts_are_indexed_off_the_step_and_still_match(model, monkeypatch):
+    """A prompt from BACKGROUND_INDEX_TOKENS up gets its lookup index from a worker thread
+    (`PendingLookup`): the row proposes once it is there, and greedy output is the same."""
+    monkeypatch.setattr(speculative, "BACKGROUND_INDEX_TOKENS", 8)
+    built: list[int] = []
+    index = speculative._index
+    monkeypatch.setattr(speculative, "_index", lambda lo, hi, tokens: built.append(len(tokens)) or index(lo, hi, tokens))
+    jobs = echo_jobs(model, seed=1)
+    seen: dict = {}
+    ours = drive(model, spec_runner(SPEC, seen), jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    assert sorted(built) == sorted(len(j.prompt) for j in jobs if len(j.prompt) >= 8)
+    proposed, taken = counts(seen["runner"])
+    assert proposed > 0 and taken > 0, (proposed, taken)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), spread=st.integers(1, 30), rows=st.sampled_from([2, 3, 8]),
        k=st.sampled_from([1, 3, 8]))
@@ -88,7 +106,7 @@ def test_random_schedules_with_aborts_stops_and_prefixes_match(model, seed, spre
     rng = random.Random(seed)
     jobs = echo_jobs(model, seed % 3, n=4, spread=spread)
     vocab = model.args.vocab_size
-    jobs += [Job([rng.randrange(1, vocab) for _ in range(rng.randrange(1, 120))], rng.randrange(1, 40),
+    jobs += [Job([rng.randrange(1, vocab) for _ in range(rng.randrange(2, 120))], rng.randrange(1, 40),
                  rng.randrange(0, spread)) for _ in range(2)]
     rng.shuffle(jobs)
     reference = drive(model, Runner, jobs, max_running=rows)
@@ -260,6 +278,25 @@ def test_prompt_lookup_index_equals_a_scan_whatever_it_grows_by(seed, vocab, ngr
             tokens[big_at] = (1 << 21) + 5
         for k in (1, 4):
             assert lookup.propose(tokens, k) == _reference_proposal(tokens, k, 1, ngram_max)
+
+
+def test_a_pending_index_proposes_nothing_until_built_then_what_the_index_does():
+    from concurrent.futures import Future
+
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 3, 6, 7]
+    future: Future = Future()
+    pending = PendingLookup(future, 1, 3)
+    assert pending.propose(tokens, 3) == []  # not built yet: the row decodes without proposals
+    built = PromptLookup(1, 3)
+    built.sync(tokens[:9])
+    future.set_result(built)
+    assert pending.propose(tokens, 3) == PromptLookup(1, 3).propose(tokens, 3) == [8, 2, 3]
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("boom"))
+    assert PendingLookup(failed, 1, 3).propose(tokens, 3) == [8, 2, 3]  # indexed on the step instead
+    long = new_state(SpecConfig(), list(range(speculative.BACKGROUND_INDEX_TOKENS)), [1])
+    assert isinstance(long.lookup, PendingLookup)
+    assert isinstance(new_state(SpecConfig(), [1, 2], [3]).lookup, PromptLookup)
 
 
 def test_adaptive_k_follows_acceptance_and_the_floor_and_backs_off_when_it_does_not_pay():
