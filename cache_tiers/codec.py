@@ -4,7 +4,8 @@
 bfloat16 ones as uint16 views (numpy has no bfloat16) with `mx.async_eval`, waiting for nothing.
 `to_host` (MLX thread, a step later, when the arrays are long computed) exposes them as numpy
 views: no copy and no wait. `encode` (writer thread) writes safetensors bytes; `decode_block` /
-`decode_state` (on an SSD hit) parse and validate them, and build MLX arrays again. Nothing is
+`decode_state` (on an SSD hit) parse and validate them, and build MLX arrays again; a block's parse
+(`parse_block`) calls no MLX, so a reader thread can do it and leave the MLX thread only `to_block`. Nothing is
 pickled. A decoded row is trusted only after its checksum, format version, model fingerprint,
 digest, structure and shapes check out; any failure is a `CorruptEntry`, which the SSD tier
 turns into "delete and count".
@@ -172,8 +173,23 @@ def _array(tensors: dict[str, np.ndarray], meta: dict[str, Any], name: str) -> m
     return mx.view(a, mx.bfloat16) if name in meta["bf16"] else a
 
 
-def decode_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) -> Block:
-    """Parse and validate a stored block; raise CorruptEntry for anything not exactly right."""
+@dataclass(frozen=True, eq=False)
+class ParsedBlock:
+    """A stored block read, checked and parsed, its arrays still numpy: what a reader thread hands
+    the MLX thread, which only wraps them (`to_block`). No MLX call makes one."""
+
+    digest: bytes
+    parent: bytes | None
+    tokens: np.ndarray
+    layout: Layout
+    quant: tuple[int, int] | None
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def parse_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) -> ParsedBlock:
+    """Parse and validate a stored block (no MLX: any thread); raise CorruptEntry for anything not
+    exactly right."""
     try:
         tensors, meta = _checked(data, fingerprint, "block", digest)
         tokens = tensors["tokens"]
@@ -181,23 +197,37 @@ def decode_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) 
             raise CorruptEntry("bad tokens")
         layout = Layout.from_json(meta["layout"])
         quant = None if meta["quant"] is None else (int(meta["quant"][0]), int(meta["quant"][1]))
-        arrays: list[Any] = []
         for g, group in enumerate(layout.groups):
-            names = [f"g{g}"] if quant is None else [f"g{g}.q", f"g{g}.s", f"g{g}.b"]
-            parts = [tensors[name] for name in names]
+            parts = [tensors[name] for name in _group_names(g, quant)]
             if any(p.ndim != 4 or p.shape[:3] != (len(group), parts[0].shape[1], block_size) for p in parts):
                 raise CorruptEntry("array shape does not match the layout")
-            xs = tuple(_array(tensors, meta, name) for name in names)
-            arrays.append(xs[0] if quant is None else xs)
         parent = meta["parent"]
         parent_digest = None if parent is None else bytes.fromhex(parent)
     except CorruptEntry:
         raise
     except Exception as e:  # malformed JSON, truncated tensors, missing names, bad shapes...
         raise CorruptEntry(f"{type(e).__name__}: {e}") from e
+    return ParsedBlock(digest, parent_digest, np.array(tokens), layout, quant, tensors, meta)
+
+
+def to_block(parsed: ParsedBlock) -> Block:
+    """The MLX arrays of a parsed block (MLX thread)."""
+    arrays: list[Any] = []
+    for g in range(len(parsed.layout.groups)):
+        xs = tuple(_array(parsed.tensors, parsed.meta, name) for name in _group_names(g, parsed.quant))
+        arrays.append(xs[0] if parsed.quant is None else xs)
     mx.eval([x for x in leaves(arrays)])
-    nbytes = sum(x.nbytes for x in leaves(arrays)) + tokens.nbytes
-    return Block(digest, parent_digest, np.array(tokens), layout, tuple(arrays), quant, nbytes)
+    nbytes = sum(x.nbytes for x in leaves(arrays)) + parsed.tokens.nbytes
+    return Block(parsed.digest, parsed.parent, parsed.tokens, parsed.layout, tuple(arrays), parsed.quant, nbytes)
+
+
+def decode_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) -> Block:
+    """Parse and validate a stored block; raise CorruptEntry for anything not exactly right."""
+    return to_block(parse_block(data, fingerprint, digest, block_size))
+
+
+def _group_names(g: int, quant: tuple[int, int] | None) -> list[str]:
+    return [f"g{g}"] if quant is None else [f"g{g}.q", f"g{g}.s", f"g{g}.b"]
 
 
 def decode_state(data: bytes, fingerprint: str, digest: bytes) -> ExactState:

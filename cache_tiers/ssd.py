@@ -28,7 +28,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -142,29 +142,54 @@ class SsdTier:
     def load_blocks(self, chain: Sequence[bytes], tokens: np.ndarray, first: int, last: int) -> list[Block]:
         """Blocks `first` .. `last - 1` of the chain, read in order; stops at the first one that
         is missing, damaged or not this prompt's (the ones before it are still good)."""
+        return self.take_blocks(chain, tokens, first, last, self.read_blocks(chain, first, last))
+
+    def read_blocks(self, chain: Sequence[bytes], first: int, last: int) -> list[Any]:
+        """The rows of blocks `first` .. `last - 1`, read and parsed in order up to the first that
+        is missing (None) or fails (its exception, last in the list). Calls no MLX and changes
+        nothing (the rows, the counters): a reader thread may run it while the MLX thread steps;
+        `take_blocks` then does the rest there."""
+        out: list[Any] = []
+        for j in range(first, last):
+            try:
+                data = self.storage.get(block_key(chain[j]))
+                if data is None:
+                    out.append(None)
+                    break
+                out.append(codec.parse_block(data, self.fingerprint, chain[j], self.block_size))
+            except Exception as e:  # judged by `take_blocks`, on the MLX thread
+                out.append(e)
+                break
+        return out
+
+    def take_blocks(self, chain: Sequence[bytes], tokens: np.ndarray, first: int, last: int,
+                    read: list[Any]) -> list[Block]:
+        """MLX thread: the blocks `read_blocks(chain, first, last)` read, checked against this
+        prompt's chain and tokens and made MLX arrays; a missing, damaged or foreign row is dropped
+        with the chain's rows past it (up to `last`), and the blocks before it are kept."""
         out: list[Block] = []
         bs = self.block_size
-        for j in range(first, last):
+        for j, row in enumerate(read, start=first):
             key = block_key(chain[j])
-            try:
-                data = self.storage.get(key)
-                if data is None:
-                    self._drop_unreadable(key, chain[j + 1:last])
-                    break
-                block = codec.decode_block(data, self.fingerprint, chain[j], bs)
-            except (codec.CorruptEntry, UnsafeRow) as e:
-                self._corrupt(key, e, chain[j + 1:last])
+            if row is None:
+                self._drop_unreadable(key, chain[j + 1:last])
                 break
-            except Exception as e:  # a failing disk must never fail a request
+            if isinstance(row, (codec.CorruptEntry, UnsafeRow)):
+                self._corrupt(key, row, chain[j + 1:last])
+                break
+            if isinstance(row, Exception):  # a failing disk must never fail a request
                 self.counters.read_errors += 1
-                log.warning("prefix cache: SSD read failed: %s", e)
+                log.warning("prefix cache: SSD read failed: %s", row)
                 break
-            if block.parent != (chain[j - 1] if j else None) or not np.array_equal(block.tokens,
-                                                                                  tokens[j * bs:(j + 1) * bs]):
-                self._corrupt(key, codec.CorruptEntry("a block of another prefix under this key"),
-                              chain[j + 1:last])
+            if row.parent != (chain[j - 1] if j else None) or not np.array_equal(row.tokens,
+                                                                              tokens[j * bs:(j + 1) * bs]):
+                self._corrupt(key, codec.CorruptEntry("a block of another prefix under this key"), chain[j + 1:last])
                 break
-            out.append(block)
+            try:
+                out.append(codec.to_block(row))
+            except Exception as e:
+                self._corrupt(key, codec.CorruptEntry(f"{type(e).__name__}: {e}"), chain[j + 1:last])
+                break
         return out
 
     def load_state(self, digest: bytes) -> ExactState | None:

@@ -68,6 +68,15 @@ class PrefixStore(Protocol):
         """Remember `cache`, which covers exactly `tokens`. The store takes what it lacks (it copies
         as it needs); the caller must not mutate `cache` afterwards."""
 
+    def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Any | None:
+        """Start reading, off the MLX thread, what `match` needs from a slow tier (the SSD); None
+        when nothing does. The handle's `done()` says when `complete` may take it, and
+        `on_done(callback)` calls back (from any thread) when that happens."""
+
+    def complete(self, prefetch: Any) -> int:
+        """MLX thread, once the prefetch is done: hold what it read where `find` sees it at once
+        (RAM); the restore then reports the tier it came from. Returns the blocks taken."""
+
     def tick(self, drain: bool = False) -> None:
         """Once per engine step (MLX thread): finish what earlier offers started; `drain`: all of it
         (an idle engine, before a flush)."""
@@ -102,6 +111,12 @@ class NullStore:
 
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         return None
+
+    def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Any | None:
+        return None
+
+    def complete(self, prefetch: Any) -> int:
+        return 0
 
     def tick(self, drain: bool = False) -> None:
         return None

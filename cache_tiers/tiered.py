@@ -12,6 +12,10 @@ Rules, each for a reason:
 - A hit shorter than `min_restore_tokens` is reported as a miss: copying in a few tokens of state
   saves less than it costs, and a short hit would still make the engine take the slower
   cache-restore admission path.
+- An SSD hit's rows are read and parsed by a reader thread (`prefetch`) while the engine steps; the
+  MLX thread only wraps them into RAM (`complete`), and the request is admitted from RAM after,
+  reported as the SSD hit it is. (`restore` still reads whatever a match needs that no prefetch
+  brought: a fallback, and the path of exact states, which are small.)
 - A prefix is served in whole blocks plus, from RAM, a tail (the tokens an offer had past its
   last whole block), and leaves at least one prompt token to feed (mlx-lm needs one). A model
   with exact layers (hybrid) is served only where an exact state lies: a block boundary, or the
@@ -21,8 +25,11 @@ Rules, each for a reason:
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
@@ -52,6 +59,27 @@ class _Found:
     seed: bytes = b""  # the chain's seed (its first block's place in RAM)
 
 
+@dataclass(eq=False)
+class Prefetch:
+    """SSD rows of a match being read off the MLX thread (`TieredStore.prefetch`)."""
+
+    found: _Found
+    tokens: np.ndarray
+    first: int  # the chain's blocks first .. last - 1 (RAM held the ones before when it started)
+    last: int
+    future: Future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the reader thread, or here if it is done) once the read ends."""
+        self.future.add_done_callback(lambda _future: callback())
+
+
+LANDED_MAX = 1024  # prefetched runs remembered until their restore (an aborted request's never comes)
+
+
 class TieredStore:
     def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int, min_restore_tokens: int,
                  fingerprint: str = "", ssd_error: str | None = None, quant: QuantPolicy | None = None) -> None:
@@ -70,6 +98,10 @@ class TieredStore:
         # read; until then the SSD probe also asks for exact states.
         self._exact: bool | None = None
         ram.on_evict = self._demote
+        self._reader_pool: ThreadPoolExecutor | None = None
+        self._reader_lock = threading.Lock()
+        # The last block of each run a prefetch brought into RAM: its restore is the SSD hit it is.
+        self._landed: OrderedDict[bytes, None] = OrderedDict()
 
     # -- lookups --------------------------------------------------------------------------------
     def _seed(self, salt: str) -> bytes:
@@ -159,6 +191,10 @@ class TieredStore:
                 self.too_short += 1
                 return None
             cache = blk.assemble(chain_blocks, state, chain_blocks[0].layout.num_layers)
+            end = f.chain[len(chain_blocks) - 1]
+            if tier == "ram" and end in self._landed:
+                del self._landed[end]
+                tier = "ssd"  # RAM holds it because a prefetch read it from the SSD for this request
         except Exception as e:  # never fail a request over the cache
             log.warning("prefix cache: cannot restore a %s prefix: %s", tier, e)
             (self.ram if tier == "ram" else self.ssd).counters.read_errors += 1  # type: ignore[union-attr]
@@ -208,6 +244,55 @@ class TieredStore:
             if state is not None and self.ram.add_state(state, persisted=True):
                 self.ram.counters.promotions += 1
         return (got, state) if state is not None else None
+
+    def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Prefetch | None:
+        """Start reading the SSD rows `match` needs past what RAM holds, on the reader thread (no
+        MLX there, nothing changed): None when nothing needs reading."""
+        if self.ssd is None or match is None or match.too_short or match.tier != "ssd" \
+                or not isinstance(match.source, _Found) or match.source.tail is not None:
+            return None
+        f: _Found = match.source
+        want = match.num_tokens // self.block_size
+        have = min(want, self.ram.reach(f.chain[:want]))
+        if have >= want:
+            return None
+        future = self._reader().submit(self.ssd.read_blocks, f.chain, have, want)
+        return Prefetch(f, np.asarray(tokens, dtype=np.int64), have, want, future)
+
+    def complete(self, prefetch: Prefetch) -> int:
+        """MLX thread, once `prefetch.done()`: check what was read against the prompt, make it MLX
+        arrays and hold it in RAM (a later `find` sees it there); returns the blocks taken. Rows
+        that are missing or damaged are dropped as a restore drops them."""
+        p = prefetch
+        if self.ssd is None:
+            return 0
+        try:
+            read = p.future.result()
+        except Exception as e:  # read_blocks catches its own; anything else is a fault of ours, logged
+            log.warning("prefix cache: SSD prefetch failed: %s", e)
+            self.ssd.counters.read_errors += 1
+            return 0
+        if p.first and self.ram.reach(p.found.chain[:p.first]) < p.first:
+            return 0  # RAM let the blocks before them go meanwhile: the restore reads what it needs
+        taken = 0
+        for block in self.ssd.take_blocks(p.found.chain, p.tokens, p.first, p.last, read):
+            if self._exact is None:
+                self._exact = block.layout.needs_exact
+            if not self.ram.add(block, persisted=True, root=p.found.seed):
+                break
+            self.ram.counters.promotions += 1
+            taken += 1
+        if taken:
+            self._landed[p.found.chain[p.first + taken - 1]] = None
+            while len(self._landed) > LANDED_MAX:
+                self._landed.popitem(last=False)
+        return taken
+
+    def _reader(self) -> ThreadPoolExecutor:
+        with self._reader_lock:
+            if self._reader_pool is None:
+                self._reader_pool = ThreadPoolExecutor(1, thread_name_prefix="pomona-ssd-reader")
+            return self._reader_pool
 
     def lookup(self, tokens: Sequence[int], salt: str = "") -> Hit | None:
         """`find` and `restore` in one (tests, benchmarks, warm-up tools)."""
@@ -306,7 +391,9 @@ class TieredStore:
             self.ssd.flush()
 
     def close(self) -> None:
-        """Write what only RAM holds to the SSD, flush, and stop the writer."""
+        """Write what only RAM holds to the SSD, flush, and stop the writer (and the reader)."""
+        if self._reader_pool is not None:
+            self._reader_pool.shutdown(wait=True, cancel_futures=True)
         if self.ssd is None:
             return
         self.ssd.tick(drain=True)

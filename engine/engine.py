@@ -14,14 +14,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from cache_tiers.store import NullStore, PrefixStore
+from cache_tiers.store import Match, NullStore, PrefixStore
 from engine import mlx_settings
 from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
 from engine.runner import Generated, PromptProgress, Runner
 from engine.runner_choice import make_runner
 from engine.sampling import make_decoding, top_logprobs
-from engine.scheduler import Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
+from engine.scheduler import LOADING, Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
 from engine.sequence import Sequence
 from engine.stats import EngineStats
 from engine.text import TextStream, TokensOnly, text_in_engine
@@ -30,6 +30,16 @@ from engine.types import FinishReason, Request, RequestStatus, TokenEvent, Token
 log = logging.getLogger("pomona.engine")
 
 EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
+
+
+class _Load:
+    """A waiting request's prefix being read from the SSD (`Engine._find`); keyed by its prompt's
+    identity, which its Request (frozen) keeps for the request's life."""
+
+    def __init__(self, tokens: tuple[int, ...], prefetch: Any) -> None:
+        self.tokens = tokens
+        self.prefetch = prefetch
+        self.taken = False  # the store has taken what was read (then `find` answers from RAM)
 
 
 class Engine:
@@ -53,6 +63,9 @@ class Engine:
         self._clock = clock
         self._min_store = max(1, config.cache.min_restore_tokens)
         self._direct_run = 0  # direct first-token admissions since the batch last ran
+        self._loads: dict[int, _Load] = {}  # waiting requests whose prefix the SSD's reader is reading
+        # Called (from the store's reader thread) when a read ends: the engine's loop wakes to take it.
+        self.wake: Callable[[], None] = lambda: None
         # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
         # prefill to be cached rather than computing the same tokens alongside it.
         self._share_tokens = None if isinstance(self.store, NullStore) else max(64, self._min_store)
@@ -93,12 +106,19 @@ class Engine:
             return []
         if seq.status is RequestStatus.WAITING:
             self.scheduler.finish_requests({request_id})
+            self._loads.pop(id(seq.request.prompt_tokens), None)
         else:
             self._remove_running(seq, store=True)
         return [self._final(seq, reason, "", error=error, code=code)]
 
     def has_work(self) -> bool:
         return bool(self.seqs)
+
+    def waiting_on_loads(self) -> bool:
+        """Every request here waits for its prefix to be read from the SSD: a step would do
+        nothing, so the loop may sleep until `wake` (a read finished) or a command."""
+        pending = sum(1 for load in self._loads.values() if not load.prefetch.done())
+        return bool(self.seqs) and pending >= len(self.seqs)
 
     def idle(self) -> None:
         """Nothing to run: finish every offer's hand-over to the SSD now (no step waits for it)."""
@@ -156,7 +176,7 @@ class Engine:
         # that scales with the batch is skipped when it cannot matter (nobody waits, no deadline due).
         expired = self._expire() if self._clock() >= self._next_expiry else []
         self.store.tick()  # hands the SSD what earlier steps offered: computed by now, nothing waits
-        plan = self.scheduler.schedule(self.view(), self.store.find) if len(self.scheduler) else SchedulerOutput()
+        plan = self.scheduler.schedule(self.view(), self._find) if len(self.scheduler) else SchedulerOutput()
         direct = sum(1 for a in plan.admit if a.direct)
         if not expired and not direct:
             return plan  # the common step: no copy of the plan
@@ -184,9 +204,37 @@ class Engine:
         self._on_prompts(prompts)
         return self._on_generated(generated)
 
+    def _find(self, tokens: tuple[int, ...], salt: str) -> Match | None:
+        """`store.find`, except that a prefix the SSD must supply is read off the MLX thread first.
+
+        Why: a restore used to read and parse the SSD's rows here, on the MLX thread, while every
+        running request waited (hundreds of MB for a long agent prompt of a large model). Now the
+        request answers LOADING (the scheduler admits others meanwhile) while the store's reader
+        thread reads; the step that sees the read done has the store take it into RAM (wrapping
+        arrays: no disk, no parsing) and the request is admitted from there, its hit still
+        reported as the SSD's."""
+        load = self._loads.get(id(tokens))
+        if load is not None and load.tokens is tokens:
+            if not load.taken:
+                if not load.prefetch.done():
+                    return LOADING
+                self.store.complete(load.prefetch)
+                load.taken = True
+            return self.store.find(tokens, salt)
+        match = self.store.find(tokens, salt)
+        if match is None or match.tier != "ssd" or match.too_short:
+            return match
+        prefetch = self.store.prefetch(match, tokens)
+        if prefetch is None:
+            return match
+        self._loads[id(tokens)] = _Load(tokens, prefetch)
+        prefetch.on_done(lambda: self.wake())
+        return LOADING
+
     def _admit(self, admission: Admission) -> list[TokenEvent]:
         seq = self.seqs[admission.request.request_id]
         tokens = seq.request.prompt_tokens
+        self._loads.pop(id(tokens), None)
         hit = self.store.restore(tokens, admission.match, seq.request.cache_salt)
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params

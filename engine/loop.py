@@ -278,7 +278,8 @@ class AsyncEngine:
         last_stats = 0.0
         times = self._times
         while True:
-            handled = self._handle_commands(engine, block=not engine.has_work())
+            # Idle, or only waiting for SSD reads (their end posts a "wake"): block on commands.
+            handled = self._handle_commands(engine, block=not engine.has_work() or engine.waiting_on_loads())
             if handled is None:
                 break
             t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -322,6 +323,7 @@ class AsyncEngine:
             self.context_length = min(self.context_length, self.config.max_model_len)
         engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded),
                         consumer_text=True)
+        engine.wake = lambda: self._commands.put(("wake", None))
         self._warm_up(engine)
         self._publish_stats(engine)
         return engine
@@ -363,6 +365,8 @@ class AsyncEngine:
                 self._post(arg.request_id, exc)
         elif kind == "abort":
             self._deliver(engine.abort_request(arg))
+        elif kind == "wake":
+            pass  # a prefix read ended: the loop steps now and takes it
         elif kind == "call":
             fn, future = arg
             # A caller that timed out (the health probe, 20 s, behind a long step) has cancelled its

@@ -30,6 +30,9 @@ from engine.config import EngineConfig, SchedulingPolicy
 from engine.types import OverloadedError, Request, TokenEvent
 
 Find = Callable[[tuple[int, ...], str], "Match | None"]  # (prompt tokens, cache salt)
+# What a `Find` answers for a request whose cached prefix is being read from a slow tier (the
+# engine's `_find`): it waits, and the requests behind it are considered in its place.
+LOADING = Match(num_tokens=0, tier="ssd")
 
 CPU_GROUP_RATIO = 2.0  # "auto" on the CPU backend: a prompt joins a prefill within this length ratio
 
@@ -181,6 +184,9 @@ class Scheduler:
             reserve = kv_footprint(size + head.params.max_tokens, view.kv_window)
             if kv_free is not None and reserve > kv_free and running > 0:
                 break  # not enough memory; running requests finishing will free it
+            if match(head) is LOADING:
+                deferred.append(heapq.heappop(self._heap))  # admitted once its prefix is read
+                continue
             heapq.heappop(self._heap)
             self._ids.discard(head.request_id)
             admitted.append(Admission(head, match(head), self._direct(size, _usable(match(head)), idle=running == 0)))

@@ -125,3 +125,47 @@ def test_a_tenant_never_hits_another_tenants_prefix(tiny_model_dir, tmp_path):
         assert ask("tenant-b") == len(tokens) - 1  # b's own history is
     finally:
         run(eng.shutdown())
+
+
+def test_an_ssd_read_never_holds_up_the_running_requests(tiny_model_dir, tmp_path, cold_texts):
+    """After a restart a prompt's prefix is on the SSD only: the store's reader thread reads it while
+    the engine keeps stepping, so another request runs to its end while that read is held, and the
+    SSD hit is then admitted with the same output as a cold start and reported as the SSD's."""
+    import asyncio
+    import threading
+
+    config = cache_config(tmp_path)
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+    run(eng.shutdown())
+
+    stores: list = []
+    eng = make_engine(tiny_model_dir, store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0],
+                      cache=config)
+    started, go, readers = threading.Event(), threading.Event(), []
+    read = stores[0].ssd.read_blocks
+
+    def held_read(*args):
+        readers.append(threading.current_thread().name)
+        started.set()
+        go.wait(20)
+        return read(*args)
+
+    stores[0].ssd.read_blocks = held_read
+
+    async def scenario():
+        hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        assert await asyncio.to_thread(started.wait, 60)
+        other, events = await collect(eng, request(eng, "Hello there, how are you today?", max_tokens=24))
+        assert events[-1].finished and not hit.done()  # ran to its end while the read was held
+        go.set()
+        return await hit
+
+    try:
+        text, events = run(scenario())
+        assert text == cold_texts["Where?"]
+        assert events[-1].usage.cache_tier == "ssd" and events[-1].usage.cached_tokens >= 16
+        assert readers and all(name.startswith("pomona-ssd-reader") for name in readers)
+    finally:
+        go.set()
+        run(eng.shutdown())

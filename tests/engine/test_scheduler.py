@@ -260,3 +260,23 @@ def test_a_bounded_kv_cache_reserves_its_window_not_the_whole_request():
     assert ids(s.schedule(BatchView(kv_tokens_free=70, kv_window=32))) == ["a", "b"]
     s.add_request(Request((1,) * 50, SamplingParams(max_tokens=50), request_id="c", arrival_time=2))
     assert ids(s.schedule(BatchView(running=2, kv_tokens_free=70))) == []  # unbounded: 100 > 70
+
+
+def test_a_request_whose_prefix_is_loading_waits_and_the_next_goes_first():
+    """`find` answers LOADING while a request's prefix is read from the SSD: it stays queued in its
+    place, the requests behind it are admitted meanwhile, and it is admitted once its read is done."""
+    from engine.scheduler import LOADING
+
+    s = Scheduler(EngineConfig(max_running=4, prefill_batch=4))
+    for i in range(3):
+        s.add_request(req(10 + i, f"r{i}", t=i))
+    loading = {11}
+
+    def find(tokens: tuple[int, ...], salt: str = "") -> Match | None:
+        return LOADING if len(tokens) in loading else None
+
+    assert ids(s.schedule(BatchView(), find)) == ["r0", "r2"]
+    assert ids(s.schedule(BatchView(running=2), find)) == []
+    loading.clear()
+    assert ids(s.schedule(BatchView(running=2), find)) == ["r1"]
+    assert len(s) == 0

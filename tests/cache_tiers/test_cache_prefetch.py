@@ -1,0 +1,80 @@
+"""SSD hits read off the MLX thread (`TieredStore.prefetch` / `complete`): the reader thread reads
+and parses, the caller only takes what was read into RAM; the restore after it serves the same
+rows, bit for bit, reported as the SSD hit it is; damaged rows are dropped as a restore drops them."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+from test_cache_support import FlakyStorage, bkey, kv_cache, same_kv, settle, ssd_only, store, toks
+
+
+def _prefetched_hit(s, prompt):
+    match = s.find(prompt)
+    p = s.prefetch(match, prompt)
+    assert p is not None
+    p.future.result(timeout=30)
+    taken = s.complete(p)
+    return taken, s.restore(prompt, s.find(prompt))
+
+
+def test_a_prefetch_reads_on_another_thread_and_serves_what_a_restore_would(tmp_path, monkeypatch):
+    s = store(tmp_path)
+    original = kv_cache(100)
+    s.offer(toks(100), original, "finished")
+    ssd_only(s)
+    readers: list[str] = []
+    read = s.ssd.read_blocks
+    monkeypatch.setattr(s.ssd, "read_blocks", lambda *a: readers.append(threading.current_thread().name) or read(*a))
+    prompt = toks(100) + [5]
+    taken, hit = _prefetched_hit(s, prompt)
+    assert taken == 6 and readers and all(name != threading.current_thread().name for name in readers)
+    assert hit.tier == "ssd" and hit.num_tokens == 96
+    assert same_kv(hit.cache, original, 96)
+    stats = s.stats()
+    assert (stats["ssd"]["hits"], stats["ssd"]["hit_tokens"], stats["ram"]["promotions"]) == (1, 96, 6)  # as a restore counts
+    again = s.restore(prompt, s.find(prompt))  # the next one is RAM's own hit
+    assert again.tier == "ram" and s.prefetch(s.find(prompt), prompt) is None
+    s.close()
+
+
+def test_a_prefetch_starts_past_what_ram_holds(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(100), kv_cache(100), "finished")
+    settle(s)
+    s.clear("ram")
+    s.offer(toks(32), kv_cache(32), "finished")  # RAM holds the first two blocks again
+    p = s.prefetch(s.find(toks(100) + [5]), toks(100) + [5])
+    assert (p.first, p.last) == (2, 6)
+    p.future.result(timeout=30)
+    assert s.complete(p) == 4
+    assert s.restore(toks(100) + [5], s.find(toks(100) + [5])).num_tokens == 96
+    s.close()
+
+
+def test_a_damaged_row_ends_the_prefetched_run_and_is_deleted(tmp_path):
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage)
+    original = kv_cache(100)
+    s.offer(toks(100), original, "finished")
+    ssd_only(s)
+    key = bkey(toks(100), 3)
+    good = storage.get(key)
+    storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])  # parses, fails its checksum
+    taken, hit = _prefetched_hit(s, toks(100) + [5])
+    assert taken == 3 and hit.tier == "ssd" and hit.num_tokens == 48  # the blocks before it still serve
+    assert mx.array_equal(hit.cache[0].keys[..., :48, :], original[0].keys[..., :48, :])
+    assert s.stats()["ssd"]["corrupt"] == 1 and not storage.contains(key)
+    assert not storage.contains(bkey(toks(100), 4))  # the chain's rows past it go with it
+    s.close()
+
+
+def test_nothing_to_prefetch_for_a_ram_hit_or_without_an_ssd(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(100), kv_cache(100), "finished")
+    assert s.prefetch(s.find(toks(100) + [5]), toks(100) + [5]) is None  # RAM holds it all
+    s.close()
+    ram_only = store()
+    ram_only.offer(toks(100), kv_cache(100), "finished")
+    assert ram_only.prefetch(ram_only.find(toks(100) + [5]), toks(100) + [5]) is None
