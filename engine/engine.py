@@ -412,7 +412,14 @@ class Engine:
 
     def running_status(self) -> list[dict]:
         now = self._clock()
-        return [{**s.describe(now), **self.runner.speculation(s.request_id)} for s in self.seqs.values()]
+        return [{**s.describe(now), **self._loading_phase(s), **self.runner.speculation(s.request_id)}
+                for s in self.seqs.values()]
+
+    def _loading_phase(self, seq: Sequence) -> dict[str, str]:
+        """A waiting request whose cached prefix the SSD's reader is reading says so."""
+        load = self._loads.get(id(seq.request.prompt_tokens))
+        loading = load is not None and load.tokens is seq.request.prompt_tokens and not load.taken
+        return {"phase": "loading"} if loading and seq.status is RequestStatus.WAITING else {}
 
     def status(self) -> dict[str, Any]:
         """Counters and gauges for the loop to publish (read on the MLX thread, between steps)."""

@@ -154,10 +154,12 @@ def test_an_ssd_read_never_holds_up_the_running_requests(tiny_model_dir, tmp_pat
     stores[0].ssd.read_blocks = held_read
 
     async def scenario():
-        hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", request_id="hit", max_tokens=20)))
         assert await asyncio.to_thread(started.wait, 60)
         other, events = await collect(eng, request(eng, "Hello there, how are you today?", max_tokens=24))
         assert events[-1].finished and not hit.done()  # ran to its end while the read was held
+        phases = {r["id"]: r["phase"] for r in await eng.requests_status()}
+        assert phases == {"hit": "loading"}
         go.set()
         return await hit
 
@@ -166,6 +168,42 @@ def test_an_ssd_read_never_holds_up_the_running_requests(tiny_model_dir, tmp_pat
         assert text == cold_texts["Where?"]
         assert events[-1].usage.cache_tier == "ssd" and events[-1].usage.cached_tokens >= 16
         assert readers and all(name.startswith("pomona-ssd-reader") for name in readers)
+    finally:
+        go.set()
+        run(eng.shutdown())
+
+
+def test_a_request_aborted_while_its_prefix_loads_ends_and_the_engine_goes_on(tiny_model_dir, tmp_path, cold_texts):
+    import asyncio
+    import threading
+
+    config = cache_config(tmp_path)
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+    run(eng.shutdown())
+
+    stores: list = []
+    eng = make_engine(tiny_model_dir, store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0],
+                      cache=config)
+    started, go = threading.Event(), threading.Event()
+    read = stores[0].ssd.read_blocks
+    stores[0].ssd.read_blocks = lambda *a: (started.set(), go.wait(20), read(*a))[2]
+
+    async def scenario():
+        hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", request_id="left", max_tokens=20)))
+        assert await asyncio.to_thread(started.wait, 60)
+        eng.abort("left")
+        text, events = await hit
+        go.set()
+        assert events[-1].finish_reason.value == "abort" and text == ""
+        assert await eng.requests_status() == []
+        # The same prompt again: served (from what the read brought, or the SSD), as a cold start would.
+        return await collect(eng, request(eng, LONG + "Where?", max_tokens=20))
+
+    try:
+        text, events = run(scenario())
+        assert text == cold_texts["Where?"] and events[-1].usage.cached_tokens >= 16
+        assert run(eng.call(lambda e: len(e._loads))) == 0
     finally:
         go.set()
         run(eng.shutdown())
