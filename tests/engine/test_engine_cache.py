@@ -127,74 +127,81 @@ def test_a_tenant_never_hits_another_tenants_prefix(tiny_model_dir, tmp_path):
         run(eng.shutdown())
 
 
+class HeldReads:
+    """A restarted engine whose prefix store's SSD reads wait for `go` (their threads in `readers`,
+    `started` set by the first): the LONG prefix is on its SSD only."""
+
+    def __init__(self, tiny_model_dir, tmp_path) -> None:
+        import threading
+
+        config = cache_config(tmp_path)
+        eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+        run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+        run(eng.shutdown())
+        stores: list = []
+        self.engine = make_engine(tiny_model_dir, cache=config,
+                                  store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0])
+        self.started, self.go, self.readers = threading.Event(), threading.Event(), []
+        read = stores[0].ssd.read_blocks
+
+        def held_read(*args):
+            self.readers.append(threading.current_thread().name)
+            self.started.set()
+            self.go.wait(20)
+            return read(*args)
+
+        stores[0].ssd.read_blocks = held_read
+
+    async def read_started(self) -> bool:
+        import asyncio
+
+        return await asyncio.to_thread(self.started.wait, 60)
+
+    def close(self) -> None:
+        self.go.set()
+        run(self.engine.shutdown())
+
+
 def test_an_ssd_read_never_holds_up_the_running_requests(tiny_model_dir, tmp_path, cold_texts):
     """After a restart a prompt's prefix is on the SSD only: the store's reader thread reads it while
     the engine keeps stepping, so another request runs to its end while that read is held, and the
     SSD hit is then admitted with the same output as a cold start and reported as the SSD's."""
     import asyncio
-    import threading
 
-    config = cache_config(tmp_path)
-    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
-    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
-    run(eng.shutdown())
-
-    stores: list = []
-    eng = make_engine(tiny_model_dir, store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0],
-                      cache=config)
-    started, go, readers = threading.Event(), threading.Event(), []
-    read = stores[0].ssd.read_blocks
-
-    def held_read(*args):
-        readers.append(threading.current_thread().name)
-        started.set()
-        go.wait(20)
-        return read(*args)
-
-    stores[0].ssd.read_blocks = held_read
+    held = HeldReads(tiny_model_dir, tmp_path)
+    eng = held.engine
 
     async def scenario():
         hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", request_id="hit", max_tokens=20)))
-        assert await asyncio.to_thread(started.wait, 60)
+        assert await held.read_started()
         other, events = await collect(eng, request(eng, "Hello there, how are you today?", max_tokens=24))
         assert events[-1].finished and not hit.done()  # ran to its end while the read was held
         phases = {r["id"]: r["phase"] for r in await eng.requests_status()}
         assert phases == {"hit": "loading"}
-        go.set()
+        held.go.set()
         return await hit
 
     try:
         text, events = run(scenario())
         assert text == cold_texts["Where?"]
         assert events[-1].usage.cache_tier == "ssd" and events[-1].usage.cached_tokens >= 16
-        assert readers and all(name.startswith("pomona-ssd-reader") for name in readers)
+        assert held.readers and all(name.startswith("pomona-ssd-reader") for name in held.readers)
     finally:
-        go.set()
-        run(eng.shutdown())
+        held.close()
 
 
 def test_a_request_aborted_while_its_prefix_loads_ends_and_the_engine_goes_on(tiny_model_dir, tmp_path, cold_texts):
     import asyncio
-    import threading
 
-    config = cache_config(tmp_path)
-    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
-    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
-    run(eng.shutdown())
-
-    stores: list = []
-    eng = make_engine(tiny_model_dir, store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0],
-                      cache=config)
-    started, go = threading.Event(), threading.Event()
-    read = stores[0].ssd.read_blocks
-    stores[0].ssd.read_blocks = lambda *a: (started.set(), go.wait(20), read(*a))[2]
+    held = HeldReads(tiny_model_dir, tmp_path)
+    eng = held.engine
 
     async def scenario():
         hit = asyncio.create_task(collect(eng, request(eng, LONG + "Where?", request_id="left", max_tokens=20)))
-        assert await asyncio.to_thread(started.wait, 60)
+        assert await held.read_started()
         eng.abort("left")
         text, events = await hit
-        go.set()
+        held.go.set()
         assert events[-1].finish_reason.value == "abort" and text == ""
         assert await eng.requests_status() == []
         # The same prompt again: served (from what the read brought, or the SSD), as a cold start would.
@@ -205,5 +212,4 @@ def test_a_request_aborted_while_its_prefix_loads_ends_and_the_engine_goes_on(ti
         assert text == cold_texts["Where?"] and events[-1].usage.cached_tokens >= 16
         assert run(eng.call(lambda e: len(e._loads))) == 0
     finally:
-        go.set()
-        run(eng.shutdown())
+        held.close()
