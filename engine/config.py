@@ -95,13 +95,6 @@ class EngineConfig:
     # the scores materialised); "auto": false on CUDA (engine/mlx_settings.py says what chose it).
     # No effect on Metal or the CPU, where MLX builds no per-shape plans.
     cudnn_attention: bool | str = "auto"
-    # Bytes of freed buffers MLX keeps for reuse (`mx.set_cache_limit`). MLX's CPU backend keeps
-    # 32 MiB, so a larger buffer goes back to the OS when freed and the next one of its size is
-    # page-faulted and zeroed again: a prompt chunk's attention scores (46 MB for 256 queries
-    # against 4,700 keys of SmolLM2) are that size, in every layer of every chunk. "auto": 1 GiB on
-    # the CPU backend (engine/mlx_settings.py says what chose it); on GPUs MLX's own (its whole
-    # memory limit). An integer: that many bytes on any backend; null: MLX's own everywhere.
-    mlx_cache_limit: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -130,10 +123,6 @@ class EngineConfig:
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
         if self.cudnn_attention not in (True, False, "auto"):
             raise ValueError('engine.cudnn_attention must be true, false or "auto"')
-        if self.mlx_cache_limit not in (None, "auto") and (
-                not isinstance(self.mlx_cache_limit, int) or isinstance(self.mlx_cache_limit, bool)
-                or self.mlx_cache_limit < 0):
-            raise ValueError('engine.mlx_cache_limit must be a number of bytes >= 0, "auto" or null')
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
