@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "model_dir": str(model_dir), "max_tokens": args.max_tokens,
                             "expected_prompt_tokens": expected, "servers": {}}
     names = args.servers.split(",")
-    apis = {name: args.pomona_api if name == "pomona" else "chat" for name in names}
+    apis = {name: args.pomona_api if name.startswith("pomona") else "chat" for name in names}
     if args.order == "interleaved" and all(not available(make_spec(n, model_dir, 0, out)) for n in names):
         data["servers"] = run_interleaved(names, apis, model_dir, args.base_port, out, trace, args.max_tokens)
     else:  # one server's whole session, then the other's (or a server is missing: run what is there)

@@ -43,7 +43,10 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream), and
 # "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false), and
 # "pomona-inproc", Pomona with the engine inside the replica's process (engine_process: false), and
-# "pomona-mlxlm", Pomona on mlx-lm's BatchGenerator instead of its own engine step (engine_step: mlx_lm).
+# "pomona-mlxlm", Pomona on mlx-lm's BatchGenerator instead of its own engine step (engine_step: mlx_lm), and
+# "pomona-set:KEY=VALUE", Pomona with one engine setting replaced (VALUE read as YAML), to A/B a
+# default in one run (e.g. pomona,pomona-set:mlx_cache_limit=null).
+SET_PREFIX = "pomona-set:"
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
@@ -52,6 +55,16 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
     """`max_batch`: sequences decoding together (Pomona's engine.max_running, mlx_lm.server's
     --decode-concurrency); None keeps each server's default (32 for both)."""
     bias = eos_extra_body("logit_bias", eos_ids_of(model_dir))
+    if name.startswith(SET_PREFIX):
+        import yaml
+
+        key, sep, value = name[len(SET_PREFIX):].partition("=")
+        if not sep or not key:
+            raise ValueError(f"{name!r}: write {SET_PREFIX}KEY=VALUE (an engine setting)")
+        engine = {"max_running": max_batch} if max_batch else {}
+        engine[key] = yaml.safe_load(value)
+        return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine,
+                             name=name.replace(":", "-").replace("=", "-"))
     if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
                 "pomona-mlxlm", "pomona-nossd"):
         app_args = {"pomona-unpaced": {"stream_items_per_s": 0, "stream_pacing_steps": 0},

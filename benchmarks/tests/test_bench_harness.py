@@ -109,6 +109,27 @@ def test_the_nossd_spec_turns_only_the_ssd_tier_off(tmp_path: Path) -> None:
         {k: v for k, v in base.items() if k != "ssd_dir"}
 
 
+def test_a_set_spec_replaces_one_engine_setting_and_keeps_the_rest(tmp_path: Path) -> None:
+    """`pomona-set:KEY=VALUE` (a default A/B'd in one run) differs from `pomona` in that setting only,
+    the value read as YAML; a name without `=` is refused."""
+    import pytest
+    import yaml
+
+    from benchmarks.harness.side_by_side import make_spec
+
+    engines = {}
+    for name in ("pomona", "pomona-set:prefill_chunk=512", "pomona-set:checkpoint_every=null"):
+        spec = make_spec(name, tmp_path / "model", 18000, tmp_path)
+        app = yaml.safe_load((tmp_path / f"{spec.name}_serve_config.yaml").read_text())["applications"][0]
+        engine = app["args"]["engine"]
+        assert engine["cache"].pop("ssd_dir") == str(tmp_path / f"{spec.name}-ssd-cache")  # each its own, fresh
+        engines[name] = engine
+    assert engines["pomona-set:prefill_chunk=512"] == {**engines["pomona"], "prefill_chunk": 512}
+    assert engines["pomona-set:checkpoint_every=null"] == {**engines["pomona"], "checkpoint_every": None}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        make_spec("pomona-set:prefill_chunk", tmp_path / "model", 18000, tmp_path)
+
+
 def test_spec_replay_counts_what_the_engine_proposes_and_accepts(tiny_model_dir: Path) -> None:
     """The replay (benchmarks/engine/spec_replay.py) runs the step's own proposal classes over a greedy
     output: for one request it must propose and accept exactly what the engine's step did."""
