@@ -24,7 +24,7 @@ import numpy as np
 import safetensors.numpy as stn
 
 from . import keys
-from .blocks import Block, ExactState, Layout
+from .blocks import Block, ExactState, Layout, Tail
 from .layer_state import CACHE_CLASSES, SCALARS, LayerSnapshot, cut_layer, layer_lengths, leaves
 
 _META = "pomona"
@@ -105,6 +105,20 @@ def prepare_block(block: Block) -> Prepared:
     return _started(arrays, meta)
 
 
+def prepare_tail(tail: Tail) -> Prepared:
+    """MLX thread: a KV tail's arrays (the tokens past its parent block, never quantized) named for
+    storage under its parent, started, not waited for. Tails with an exact state are not stored."""
+    if tail.parent is None or tail.state is not None:
+        raise ValueError("only a KV tail under a block is stored")
+    arrays: dict[str, Any] = {"tokens": tail.tokens}
+    bf16: list[str] = []
+    for g, x in enumerate(tail.arrays):
+        _name(x, f"g{g}", arrays, bf16)
+    meta = {"version": keys.FORMAT_VERSION, "kind": "tail", "digest": tail.parent.hex(), "parent": tail.parent.hex(),
+            "layout": tail.layout.as_json(), "quant": None, "bf16": bf16}
+    return _started(arrays, meta)
+
+
 def prepare_state(state: ExactState) -> Prepared:
     """MLX thread: an exact state's arrays named for storage, started, not waited for."""
     arrays: dict[str, Any] = {}
@@ -175,8 +189,9 @@ def _array(tensors: dict[str, np.ndarray], meta: dict[str, Any], name: str) -> m
 
 @dataclass(frozen=True, eq=False)
 class ParsedBlock:
-    """A stored block read, checked and parsed, its arrays still numpy: what a reader thread hands
-    the MLX thread, which only wraps them (`to_block`). No MLX call makes one."""
+    """A stored block (or tail: `parse_tail`) read, checked and parsed, its arrays still numpy: what
+    a reader thread hands the MLX thread, which only wraps them (`to_block`, `to_tail`). No MLX call
+    makes one."""
 
     digest: bytes
     parent: bytes | None
@@ -208,6 +223,36 @@ def parse_block(data: bytes, fingerprint: str, digest: bytes, block_size: int) -
     except Exception as e:  # malformed JSON, truncated tensors, missing names, bad shapes...
         raise CorruptEntry(f"{type(e).__name__}: {e}") from e
     return ParsedBlock(digest, parent_digest, np.array(tokens), layout, quant, tensors, meta)
+
+
+def parse_tail(data: bytes, fingerprint: str, parent: bytes, block_size: int) -> ParsedBlock:
+    """Parse and validate a stored tail (no MLX: any thread): 1 .. block_size - 1 tokens under
+    block `parent`; raise CorruptEntry for anything not exactly right."""
+    try:
+        tensors, meta = _checked(data, fingerprint, "tail", parent)
+        tokens = tensors["tokens"]
+        if tokens.ndim != 1 or not 0 < len(tokens) < block_size or tokens.dtype != np.int64:
+            raise CorruptEntry("bad tokens")
+        if meta["parent"] != parent.hex() or meta["quant"] is not None:
+            raise CorruptEntry("not a tail of this block")
+        layout = Layout.from_json(meta["layout"])
+        for g, group in enumerate(layout.groups):
+            x = tensors[f"g{g}"]
+            if x.ndim != 4 or x.shape[0] != len(group) or x.shape[2] != len(tokens):
+                raise CorruptEntry("array shape does not match the layout")
+    except CorruptEntry:
+        raise
+    except Exception as e:  # malformed JSON, truncated tensors, missing names, bad shapes...
+        raise CorruptEntry(f"{type(e).__name__}: {e}") from e
+    return ParsedBlock(parent, parent, np.array(tokens), layout, None, tensors, meta)
+
+
+def to_tail(parsed: ParsedBlock) -> Tail:
+    """The MLX arrays of a parsed tail (MLX thread)."""
+    arrays = tuple(_array(parsed.tensors, parsed.meta, f"g{g}") for g in range(len(parsed.layout.groups)))
+    mx.eval(list(arrays))
+    nbytes = sum(x.nbytes for x in arrays) + parsed.tokens.nbytes
+    return Tail(parsed.parent, parsed.tokens, parsed.layout, arrays, None, nbytes)
 
 
 def to_block(parsed: ParsedBlock) -> Block:

@@ -23,7 +23,9 @@ from typing import Sequence
 import numpy as np
 
 # Bump whenever the serialized layout (codec) or the key scheme changes.
-FORMAT_VERSION = 3  # 3: blocks of KV rows plus exact states at block boundaries (2: whole entries)
+# 3: blocks of KV rows plus exact states at block boundaries (2: whole entries); tails ("t/") came
+# later without a bump: a store of version 3 simply has none, and a reader of one never asks for them.
+FORMAT_VERSION = 3
 _DIGEST = 16
 
 
@@ -56,3 +58,10 @@ def state_key(digest: bytes) -> str:
     """Key of an exact state (the layers that cannot be cut into blocks: a state-space layer's
     running summary, a rotated window) at the end of the block named by `digest`."""
     return "s/" + digest.hex()
+
+
+def tail_key(parent: bytes) -> str:
+    """Key of the tail stored under the block named by `parent`: the KV rows of the tokens an offer
+    had past its last whole block (fewer than a block). One per block, the latest offer's: a
+    restart then serves a repeated prompt whole, not up to its last block boundary."""
+    return "t/" + parent.hex()

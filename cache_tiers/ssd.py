@@ -1,7 +1,8 @@
 """SSD tier: blocks and exact states by chain digest in a diskcache directory, written behind.
 
 Layout. Block k of a chain is the row `block_key(chain[k-1])`; an exact state ending there is
-`state_key(chain[k-1])`. Rows are content-addressed: a block is written once whoever offers it
+`state_key(chain[k-1])`; the latest offer's KV tail past it (fewer than a block of tokens, models
+without exact layers) `tail_key(chain[k-1])`, deleted when a block is written under it. Rows are content-addressed: a block is written once whoever offers it
 (two replicas sharing a directory included: the second finds it there and skips the write), so a
 conversation's next turn writes its new blocks only, and the directory's bytes are the distinct
 tokens it holds.
@@ -33,8 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import codec
-from .blocks import Block, ExactState
-from .keys import block_key, state_key
+from .blocks import Block, ExactState, Tail
+from .keys import block_key, state_key, tail_key
 from .stats import TierCounters
 from .storage import Storage, UnsafeRow, is_disk_full
 
@@ -50,12 +51,16 @@ class _Pending:
     key: str
     prepared: codec.Prepared
     tick: int  # the step it was offered in
+    replace: bool  # a tail: the latest offer's replaces the row; blocks and states are written once
+    supersedes: str | None  # a block: the tail row under its parent, which it makes stale
 
 
 @dataclass(frozen=True)
 class _Write:
     key: str
     entry: codec.HostEntry
+    replace: bool = False
+    supersedes: str | None = None
 
 
 class SsdTier:
@@ -82,12 +87,18 @@ class SsdTier:
 
     # ---- MLX thread -------------------------------------------------------------------------
 
-    def offer(self, item: Block | ExactState) -> bool:
+    def offer(self, item: Block | ExactState | Tail) -> bool:
         """Name `item`'s arrays for writing and start them; False if not taken (writes disabled,
-        or the backlog is full: the RAM tier then keeps it as not persisted and demotes it later)."""
+        or the backlog is full: the RAM tier then keeps it as not persisted and demotes it later).
+        A tail (a KV tail under a block) replaces the one stored under that block; a block written
+        later under the same parent deletes it (its tokens are then in that block, or the
+        conversation went another way)."""
         if not self.writes_enabled:
             return False
-        prepared = codec.prepare_block(item) if isinstance(item, Block) else codec.prepare_state(item)
+        if isinstance(item, Tail):
+            prepared = codec.prepare_tail(item)
+        else:
+            prepared = codec.prepare_block(item) if isinstance(item, Block) else codec.prepare_state(item)
         size = prepared.nbytes
         with self._lock:
             backlog = len(self._pending) + self._queue.qsize()
@@ -95,8 +106,15 @@ class SsdTier:
                 self.counters.write_drops += 1
                 return False
             self._pending_bytes += size
-        key = block_key(item.digest) if isinstance(item, Block) else state_key(item.digest)
-        self._pending.append(_Pending(key, prepared, self._tick))
+        if isinstance(item, Tail):
+            assert item.parent is not None  # prepare_tail refused it otherwise
+            pending = _Pending(tail_key(item.parent), prepared, self._tick, True, None)
+        elif isinstance(item, Block):
+            stale = tail_key(item.parent) if item.parent is not None else None
+            pending = _Pending(block_key(item.digest), prepared, self._tick, False, stale)
+        else:
+            pending = _Pending(state_key(item.digest), prepared, self._tick, False, None)
+        self._pending.append(pending)
         return True
 
     def tick(self, drain: bool = False) -> None:
@@ -104,7 +122,7 @@ class SsdTier:
         are computed by now); with `drain`, everything (an idle engine, close)."""
         while self._pending and (drain or self._pending[0].tick < self._tick):
             item = self._pending.popleft()
-            self._queue.put(_Write(item.key, codec.to_host(item.prepared)))
+            self._queue.put(_Write(item.key, codec.to_host(item.prepared), item.replace, item.supersedes))
         self._tick += 1
 
     def probe(self, chain: Sequence[bytes], lo: int, exact: bool | None, floor: int) -> tuple[int, int]:
@@ -161,6 +179,34 @@ class SsdTier:
                 out.append(e)
                 break
         return out
+
+    def read_tail(self, parent: bytes) -> Any:
+        """The tail stored under block `parent`, read and parsed (None: there is none; an exception
+        if it fails); like `read_blocks`, no MLX and nothing changed: any thread."""
+        try:
+            data = self.storage.get(tail_key(parent))
+            return None if data is None else codec.parse_tail(data, self.fingerprint, parent, self.block_size)
+        except Exception as e:  # judged by `take_tail`, on the MLX thread
+            return e
+
+    def take_tail(self, parent: bytes, row: Any) -> Tail | None:
+        """MLX thread: the tail `read_tail(parent)` read, made MLX arrays; a damaged row is deleted
+        and counted (the blocks before it still serve), a failed read counted."""
+        if row is None:
+            return None
+        key = tail_key(parent)
+        if isinstance(row, (codec.CorruptEntry, UnsafeRow)):
+            self._corrupt(key, row)
+            return None
+        if isinstance(row, Exception):
+            self.counters.read_errors += 1
+            log.warning("prefix cache: SSD read failed: %s", row)
+            return None
+        try:
+            return codec.to_tail(row)
+        except Exception as e:
+            self._corrupt(key, codec.CorruptEntry(f"{type(e).__name__}: {e}"))
+            return None
 
     def take_blocks(self, chain: Sequence[bytes], tokens: np.ndarray, first: int, last: int,
                     read: list[Any]) -> list[Block]:
@@ -276,11 +322,13 @@ class SsdTier:
 
     def _write(self, item: _Write) -> None:
         try:
-            if not self.storage.contains(item.key):
+            if item.replace or not self.storage.contains(item.key):
                 data = codec.encode(item.entry, self.fingerprint)
                 self.storage.set(item.key, data)
                 self.counters.writes += 1
                 self.bytes_written += len(data)
+                if item.supersedes is not None:  # the tail this block continues (or branches from)
+                    self.storage.delete(item.supersedes)
         except Exception as e:
             if is_disk_full(e):
                 self.writes_enabled = False

@@ -17,7 +17,10 @@ Rules, each for a reason:
   reported as the SSD hit it is. (`restore` still reads whatever a match needs that no prefetch
   brought: a fallback, and the path of exact states, which are small.)
 - A prefix is served in whole blocks plus, from RAM, a tail (the tokens an offer had past its
-  last whole block), and leaves at least one prompt token to feed (mlx-lm needs one). A model
+  last whole block), and leaves at least one prompt token to feed (mlx-lm needs one). The SSD
+  keeps the latest tail under each block too (models without exact layers), and a prefetch reads
+  the one past its run into RAM: after a restart a repeated prompt is served whole, not up to
+  its last block boundary (the rest recomputed: up to a block's tokens). A model
   with exact layers (hybrid) is served only where an exact state lies: a block boundary, or the
   end of a tail.
 """
@@ -186,11 +189,14 @@ class TieredStore:
             if got is None:
                 return None
             chain_blocks, state = got
-            num = len(chain_blocks) * self.block_size
+            tail, rows = None, 0
+            if tier == "ssd" and state is None and len(chain_blocks) == want:
+                tail, rows = self._ssd_tail(f, toks, want)
+            num = len(chain_blocks) * self.block_size + rows
             if num < max(1, self.min_restore_tokens):
                 self.too_short += 1
                 return None
-            cache = blk.assemble(chain_blocks, state, chain_blocks[0].layout.num_layers)
+            cache = blk.assemble(chain_blocks, state, chain_blocks[0].layout.num_layers, tail, rows)
             end = f.chain[len(chain_blocks) - 1]
             if tier == "ram" and end in self._landed:
                 del self._landed[end]
@@ -211,9 +217,26 @@ class TieredStore:
         got = self.ram.blocks(f.chain[:f.ram])
         cache = blk.assemble(got, tail.state, tail.layout.num_layers, tail, f.tail_rows)
         num = f.ram * self.block_size + f.tail_rows
-        self.ram.counters.hit(num)
+        tier: Literal["ram", "ssd"] = "ram"
+        if f.ram and f.chain[f.ram - 1] in self._landed:  # a prefetch read the blocks (and the tail) for it
+            del self._landed[f.chain[f.ram - 1]]
+            tier = "ssd"
+        (self.ram if tier == "ram" else self.ssd).counters.hit(num)  # type: ignore[union-attr]
         self.totals.hit(num)
-        return Hit(cache=cache, num_tokens=num, tier="ram")
+        return Hit(cache=cache, num_tokens=num, tier=tier)
+
+    def _ssd_tail(self, f: _Found, toks: np.ndarray, want: int) -> tuple[Tail | None, int]:
+        """The SSD's tail past the chain's first `want` blocks (read now, held in RAM after) and how
+        many of the prompt's tokens past them it serves; (None, 0) if it serves none."""
+        assert self.ssd is not None
+        parent = f.chain[want - 1]
+        tail = self.ssd.take_tail(parent, self.ssd.read_tail(parent))
+        if tail is None or not self.ram.add_tail(tail, f.seed):
+            return None, 0
+        self.ram.counters.promotions += 1
+        start = want * self.block_size
+        best = self.ram.best_tail(parent, toks[start:], len(toks) - 1 - start, f.seed)
+        return best if best is not None else (None, 0)
 
     def _gather(self, f: _Found, toks: np.ndarray, want: int,
                 tier: str) -> tuple[list[Block], ExactState | None] | None:
@@ -256,7 +279,9 @@ class TieredStore:
         have = min(want, self.ram.reach(f.chain[:want]))
         if have >= want:
             return None
-        future = self._reader().submit(self.ssd.read_blocks, f.chain, have, want)
+        ssd, tail_under = self.ssd, f.chain[want - 1] if self._exact is not True else None
+        future = self._reader().submit(lambda: (ssd.read_blocks(f.chain, have, want),
+                                                ssd.read_tail(tail_under) if tail_under is not None else None))
         return Prefetch(f, np.asarray(tokens, dtype=np.int64), have, want, future)
 
     def complete(self, prefetch: Prefetch) -> int:
@@ -267,7 +292,7 @@ class TieredStore:
         if self.ssd is None:
             return 0
         try:
-            read = p.future.result()
+            read, tail_row = p.future.result()
         except Exception as e:  # read_blocks catches its own; anything else is a fault of ours, logged
             log.warning("prefix cache: SSD prefetch failed: %s", e)
             self.ssd.counters.read_errors += 1
@@ -282,6 +307,10 @@ class TieredStore:
                 break
             self.ram.counters.promotions += 1
             taken += 1
+        if taken == p.last - p.first and tail_row is not None:  # the tail past the run, if one was stored
+            tail = self.ssd.take_tail(p.found.chain[p.last - 1], tail_row)
+            if tail is not None and self._exact is False and self.ram.add_tail(tail, p.found.seed):
+                self.ram.counters.promotions += 1
         if taken:
             self._landed[p.found.chain[p.first + taken - 1]] = None
             while len(self._landed) > LANDED_MAX:
@@ -301,9 +330,9 @@ class TieredStore:
     # -- offers ---------------------------------------------------------------------------------
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
-        offer ends either its tail (RAM) or, on a block boundary, its exact state. `kind` does not
-        matter any more: every block is written through once (it costs its own bytes, never a
-        conversation's)."""
+        offer ends either its tail (RAM; and for a "finished" offer the SSD, under its last block) or,
+        on a block boundary, its exact state. Every block is written through once (it costs its own
+        bytes, never a conversation's)."""
         toks = np.asarray(tokens, dtype=np.int64)
         try:
             parts = blk.split(cache, len(toks))
@@ -327,8 +356,13 @@ class TieredStore:
             queued = self.ssd.offer(b) if self.ssd is not None else False
             if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
                 self._demote(b, False)
-        if k * bs < n:  # the tokens past the last whole block: RAM only
-            self.ram.add_tail(blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks), seed)
+        if k * bs < n:  # the tokens past the last whole block: RAM, and the SSD under a block
+            tail = blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks)
+            self.ram.add_tail(tail, seed)
+            # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
+            # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.
+            if self.ssd is not None and k and not exact and kind == "finished":
+                self.ssd.offer(tail)  # if the writer's backlog is full the tail stays RAM's alone
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:

@@ -124,16 +124,19 @@ def test_restore_of_n_blocks_equals_the_offered_kv_bit_for_bit(tmp_path, dtype):
         s.close()
 
 
-def test_ssd_serves_whole_blocks_only_and_ram_keeps_the_tail(tmp_path):
+def test_the_ssd_keeps_the_tail_past_the_last_block_and_serves_it_after_ram_is_gone(tmp_path):
     s = store(tmp_path)
     original = kv_cache(100)
     s.offer(toks(100), original, "finished")
     settle(s)
-    assert s.stats()["ssd"]["keys"] == 6  # no tail on the SSD
+    assert s.stats()["ssd"]["keys"] == 6 + 1  # six blocks and the 4-token tail
     assert s.lookup(toks(101)).num_tokens == 100
     s.clear("ram")
     hit = s.lookup(toks(101))
-    assert hit.tier == "ssd" and hit.num_tokens == 96 and same_kv(hit.cache, original, 96)
+    assert hit.tier == "ssd" and hit.num_tokens == 100 and same_kv(hit.cache, original, 100)
+    s.clear("ram")  # a prompt that leaves the tail part-way is served up to there
+    hit = s.lookup(toks(98) + [7, 7, 7])
+    assert hit.tier == "ssd" and hit.num_tokens == 98 and same_kv(hit.cache, original, 98)
     s.close()
 
 

@@ -127,7 +127,7 @@ def test_quantized_storage_returns_plain_kv_close_to_original(tmp_path):
             ssd_only(s)
         hit = s.lookup(toks(120))
         assert hit.tier == tier and type(hit.cache[0]) is KVCache
-        assert hit.num_tokens == (100 if tier == "ram" else 96)
+        assert hit.num_tokens == 100  # the 4-token tail (plain, never quantized) from either tier
         got = np.array(hit.cache[0].keys)
         want = np.array(original[0].keys[..., : hit.num_tokens, :])
         assert got.shape == want.shape and got.dtype == np.float32

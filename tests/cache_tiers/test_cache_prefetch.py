@@ -25,15 +25,16 @@ def test_a_prefetch_reads_on_another_thread_and_serves_what_a_restore_would(tmp_
     s.offer(toks(100), original, "finished")
     ssd_only(s)
     readers: list[str] = []
-    read = s.ssd.read_blocks
-    monkeypatch.setattr(s.ssd, "read_blocks", lambda *a: readers.append(threading.current_thread().name) or read(*a))
+    for name in ("read_blocks", "read_tail"):
+        read = getattr(s.ssd, name)
+        monkeypatch.setattr(s.ssd, name, lambda *a, _read=read: readers.append(threading.current_thread().name) or _read(*a))
     prompt = toks(100) + [5]
     taken, hit = _prefetched_hit(s, prompt)
-    assert taken == 6 and readers and all(name != threading.current_thread().name for name in readers)
-    assert hit.tier == "ssd" and hit.num_tokens == 96
-    assert same_kv(hit.cache, original, 96)
+    assert taken == 6 and len(readers) == 2 and all(name != threading.current_thread().name for name in readers)
+    assert hit.tier == "ssd" and hit.num_tokens == 100  # the blocks and the tail past them
+    assert same_kv(hit.cache, original, 100)
     stats = s.stats()
-    assert (stats["ssd"]["hits"], stats["ssd"]["hit_tokens"], stats["ram"]["promotions"]) == (1, 96, 6)  # as a restore counts
+    assert (stats["ssd"]["hits"], stats["ssd"]["hit_tokens"], stats["ram"]["promotions"]) == (1, 100, 7)  # as a restore counts
     again = s.restore(prompt, s.find(prompt))  # the next one is RAM's own hit
     assert again.tier == "ram" and s.prefetch(s.find(prompt), prompt) is None
     s.close()
@@ -49,7 +50,7 @@ def test_a_prefetch_starts_past_what_ram_holds(tmp_path):
     assert (p.first, p.last) == (2, 6)
     p.future.result(timeout=30)
     assert s.complete(p) == 4
-    assert s.restore(toks(100) + [5], s.find(toks(100) + [5])).num_tokens == 96
+    assert s.restore(toks(100) + [5], s.find(toks(100) + [5])).num_tokens == 100
     s.close()
 
 

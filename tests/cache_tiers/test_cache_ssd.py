@@ -22,13 +22,13 @@ def _ssd_only_hit(s, prompt):
     return s.lookup(prompt)
 
 
-def test_blocks_served_from_ssd_and_cut_to_whole_blocks(tmp_path):
+def test_blocks_and_the_tail_served_from_ssd(tmp_path):
     s = store(tmp_path)
     original = kv_cache(100)
     s.offer(toks(100), original, "finished")
     hit = _ssd_only_hit(s, toks(100) + [5])
-    assert hit.tier == "ssd" and hit.num_tokens == 96  # 6 blocks of 16; the tail stays in RAM only
-    assert mx.array_equal(hit.cache[1].values, original[1].values[..., :96, :])
+    assert hit.tier == "ssd" and hit.num_tokens == 100  # 6 blocks of 16 and the 4-token tail
+    assert mx.array_equal(hit.cache[1].values, original[1].values[..., :100, :])
     s.clear("ram")  # a prompt sharing only part of the chain is served its common blocks
     hit = s.lookup(toks(40) + [9999] * 30)
     assert hit.tier == "ssd" and hit.num_tokens == 32

@@ -1,0 +1,102 @@
+"""The SSD's tails (cache_tiers/tiered.py, ssd.py): a finished request's tokens past its last whole
+block are kept on the SSD under that block, so after a restart (or once RAM let them go) a repeated
+prompt, or the next turn of a conversation, is served whole rather than up to its last block
+boundary. One tail per block, the latest; a block written later under the same block deletes it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from test_cache_support import BLOCK, FlakyStorage, chain, kv_cache, kv_for, same_kv, settle, ssd_only, store, toks
+
+from cache_tiers.keys import tail_key
+
+
+def tkey(tokens: list[int], k: int, salt: str = "") -> str:
+    """The SSD key of the tail under block k (0-based) of `tokens`' chain."""
+    return tail_key(chain(tokens, BLOCK, salt)[k])
+
+
+def test_only_a_finished_offer_leaves_its_tail_on_the_ssd(tmp_path):
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage)
+    s.offer(toks(100), kv_cache(100), "prompt")  # 6 blocks and a 4-token tail
+    settle(s)
+    assert not storage.contains(tkey(toks(100), 5)) and s.stats()["ssd"]["keys"] == 6
+    s.offer(toks(100), kv_cache(100), "finished")
+    settle(s)
+    assert storage.contains(tkey(toks(100), 5)) and s.stats()["ssd"]["keys"] == 7
+    s.close()
+
+
+def test_a_restart_serves_the_blocks_and_the_tail_bit_for_bit(tmp_path):
+    s = store(tmp_path)
+    original = kv_cache(100, seed=3)
+    s.offer(toks(100), original, "finished")
+    s.close()  # flushes the writer
+    again = store(tmp_path)
+    p = again.prefetch(again.find(toks(100) + [5]), toks(100) + [5])
+    p.future.result(timeout=30)
+    assert again.complete(p) == 6
+    hit = again.restore(toks(100) + [5], again.find(toks(100) + [5]))
+    assert hit.tier == "ssd" and hit.num_tokens == 100 and same_kv(hit.cache, original, 100)
+    again.close()
+
+
+def test_the_next_turns_block_deletes_the_tail_it_covers(tmp_path):
+    """A conversation's tail row is stale once its next turn writes the block under the same
+    parent: the directory keeps one tail per conversation end, not one per turn."""
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage)
+    turn1, turn2 = toks(100), toks(120)  # 6 blocks + 4; then 7 blocks + 8
+    s.offer(turn1, kv_for(turn1), "finished")
+    settle(s)
+    assert storage.contains(tkey(turn1, 5))
+    s.offer(turn2, kv_for(turn2), "finished")
+    settle(s)
+    assert not storage.contains(tkey(turn1, 5)) and storage.contains(tkey(turn2, 6))
+    assert s.stats()["ssd"]["keys"] == 7 + 1
+    ssd_only(s)
+    hit = s.lookup(turn2 + [5])
+    assert hit.tier == "ssd" and hit.num_tokens == 120 and same_kv(hit.cache, kv_for(turn2), 120)
+    s.close()
+
+
+def test_the_latest_finished_tail_under_a_block_replaces_the_one_before(tmp_path):
+    s = store(tmp_path)
+    a, b = toks(96) + [7, 7, 7], toks(96) + [8, 8]  # two endings under the same sixth block
+    s.offer(a, kv_for(a), "finished")
+    s.offer(b, kv_for(b), "finished")
+    ssd_only(s)
+    assert s.lookup(b + [5]).num_tokens == 98  # b's tail, the latest
+    s.clear("ram")
+    assert s.lookup(a + [5]).num_tokens == 96  # a's was replaced: its blocks still serve
+    s.close()
+
+
+def test_a_damaged_tail_is_deleted_and_counted_and_the_blocks_still_serve(tmp_path):
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage)
+    original = kv_cache(100)
+    s.offer(toks(100), original, "finished")
+    ssd_only(s)
+    key = tkey(toks(100), 5)
+    good = storage.get(key)
+    storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])  # parses, fails its checksum
+    p = s.prefetch(s.find(toks(100) + [5]), toks(100) + [5])
+    p.future.result(timeout=30)
+    assert s.complete(p) == 6
+    hit = s.restore(toks(100) + [5], s.find(toks(100) + [5]))
+    assert hit.tier == "ssd" and hit.num_tokens == 96
+    assert mx.array_equal(hit.cache[0].keys, original[0].keys[..., :96, :])
+    assert s.stats()["ssd"]["corrupt"] == 1 and not storage.contains(key)
+    s.close()
+
+
+def test_a_tenants_tail_is_not_served_to_another(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(100), kv_cache(100), "finished", salt="alice")
+    ssd_only(s)
+    assert s.lookup(toks(100) + [5], salt="bob") is None
+    hit = s.lookup(toks(100) + [5], salt="alice")
+    assert hit.tier == "ssd" and hit.num_tokens == 100
+    s.close()
