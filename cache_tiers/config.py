@@ -20,6 +20,10 @@ class CacheConfig:
     # prompt (SmolLM2: 24 tokens) from the cache, as mlx_lm.server does.
     min_restore_tokens: int = 16
     write_queue: int = 4096  # blocks and states waiting for the SSD writer, at most (and 1 GiB)
+    # While other requests run, an SSD hit's rows are made MLX arrays for about this long per engine
+    # step at most (a block at least), the rest in the steps after: the copy of a long hit is not
+    # one step that everyone waits for. null: all of it in the step that finds it read.
+    ssd_handover_ms: float | None = 20.0
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
     quantize_min_tokens: int = 256
@@ -33,6 +37,10 @@ class CacheConfig:
             raise ValueError("cache.ram_fraction must be in [0, 0.9]")
         if self.block_size < 1:
             raise ValueError("cache.block_size must be >= 1")
+        if self.ssd_handover_ms is not None and (isinstance(self.ssd_handover_ms, bool)
+                                                 or not isinstance(self.ssd_handover_ms, (int, float))
+                                                 or self.ssd_handover_ms <= 0):
+            raise ValueError("cache.ssd_handover_ms must be a number of milliseconds > 0, or null")
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError("cache.quantize_bits must be 4, 8 or null")
         if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports

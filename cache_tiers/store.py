@@ -73,9 +73,10 @@ class PrefixStore(Protocol):
         when nothing does. The handle's `done()` says when `complete` may take it, and
         `on_done(callback)` calls back (from any thread) when that happens."""
 
-    def complete(self, prefetch: Any) -> int:
+    def complete(self, prefetch: Any, budget_s: float | None = None) -> bool:
         """MLX thread, once the prefetch is done: hold what it read where `find` sees it at once
-        (RAM); the restore then reports the tier it came from. Returns the blocks taken."""
+        (RAM); the restore then reports the tier it came from. True once all of it is held; with
+        `budget_s`, it may stop after about that long and return False (the next call goes on)."""
 
     def tick(self, drain: bool = False) -> None:
         """Once per engine step (MLX thread): finish what earlier offers started; `drain`: all of it
@@ -115,8 +116,8 @@ class NullStore:
     def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Any | None:
         return None
 
-    def complete(self, prefetch: Any) -> int:
-        return 0
+    def complete(self, prefetch: Any, budget_s: float | None = None) -> bool:
+        return True
 
     def tick(self, drain: bool = False) -> None:
         return None

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
@@ -71,6 +72,12 @@ class Prefetch:
     first: int  # the chain's blocks first .. last - 1 (RAM held the ones before when it started)
     last: int
     future: Future
+    # What `complete` has done so far (it may take the rows over several steps):
+    blocks_taken: int = 0  # blocks now held in RAM
+    finished: bool = False  # everything read is taken, or dropped
+    _rows: list[Any] | None = field(default=None, repr=False)  # the read's rows, once collected
+    _tail: Any = field(default=None, repr=False)
+    _next: int = 0  # the next row to take
 
     def done(self) -> bool:
         return self.future.done()
@@ -284,38 +291,63 @@ class TieredStore:
                                                 ssd.read_tail(tail_under) if tail_under is not None else None))
         return Prefetch(f, np.asarray(tokens, dtype=np.int64), have, want, future)
 
-    def complete(self, prefetch: Prefetch) -> int:
+    def complete(self, prefetch: Prefetch, budget_s: float | None = None) -> bool:
         """MLX thread, once `prefetch.done()`: check what was read against the prompt, make it MLX
-        arrays and hold it in RAM (a later `find` sees it there); returns the blocks taken. Rows
-        that are missing or damaged are dropped as a restore drops them."""
+        arrays and hold it in RAM (a later `find` sees it there); True once all of it is taken (or
+        dropped: rows that are missing or damaged go as a restore drops them). With `budget_s`, it
+        stops once it has spent about that long (always taking a block first) and returns False:
+        the next call, a step later, goes on. Why: making a long hit's rows MLX arrays copies all
+        of them (276 MB for 6,000 tokens of the default model in float32: 33-120 ms here), and the
+        step that does it is a step every running request waits for."""
         p = prefetch
+        if p.finished:
+            return True
         if self.ssd is None:
-            return 0
-        try:
-            read, tail_row = p.future.result()
-        except Exception as e:  # read_blocks catches its own; anything else is a fault of ours, logged
-            log.warning("prefix cache: SSD prefetch failed: %s", e)
-            self.ssd.counters.read_errors += 1
-            return 0
-        if p.first and self.ram.reach(p.found.chain[:p.first]) < p.first:
-            return 0  # RAM let the blocks before them go meanwhile: the restore reads what it needs
-        taken = 0
-        for block in self.ssd.take_blocks(p.found.chain, p.tokens, p.first, p.last, read):
+            p.finished = True
+            return True
+        if p._rows is None:
+            try:
+                p._rows, p._tail = p.future.result()
+            except Exception as e:  # read_blocks catches its own; anything else is a fault of ours, logged
+                log.warning("prefix cache: SSD prefetch failed: %s", e)
+                self.ssd.counters.read_errors += 1
+                p.finished = True
+                return True
+            if p.first and self.ram.reach(p.found.chain[:p.first]) < p.first:
+                p.finished = True  # RAM let the blocks before them go meanwhile: the restore reads what it needs
+                return True
+        started, chain, took = time.perf_counter(), p.found.chain, 0
+        held = p.first + p._next
+        if p._next and self.ram.reach(chain[:held]) < held:  # RAM let some go between two calls
+            p._next = len(p._rows)
+        while p._next < len(p._rows):
+            if budget_s is not None and took and time.perf_counter() - started >= budget_s:
+                return False
+            j = p.first + p._next
+            got = self.ssd.take_blocks(chain, p.tokens, j, p.last, p._rows[p._next:p._next + 1])
+            p._next += 1
+            if not got:  # missing, damaged or foreign: dropped with the rows past it
+                p._next = len(p._rows)
+                break
+            block = got[0]
             if self._exact is None:
                 self._exact = block.layout.needs_exact
             if not self.ram.add(block, persisted=True, root=p.found.seed):
+                p._next = len(p._rows)
                 break
             self.ram.counters.promotions += 1
-            taken += 1
-        if taken == p.last - p.first and tail_row is not None:  # the tail past the run, if one was stored
-            tail = self.ssd.take_tail(p.found.chain[p.last - 1], tail_row)
+            p.blocks_taken += 1
+            took += 1
+        if p.blocks_taken == p.last - p.first and p._tail is not None:  # the tail past the run, if one was stored
+            tail = self.ssd.take_tail(chain[p.last - 1], p._tail)
             if tail is not None and self._exact is False and self.ram.add_tail(tail, p.found.seed):
                 self.ram.counters.promotions += 1
-        if taken:
-            self._landed[p.found.chain[p.first + taken - 1]] = None
+        if p.blocks_taken:
+            self._landed[chain[p.first + p.blocks_taken - 1]] = None
             while len(self._landed) > LANDED_MAX:
                 self._landed.popitem(last=False)
-        return taken
+        p.finished = True
+        return True
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._reader_lock:

@@ -218,7 +218,11 @@ class Engine:
             if not load.taken:
                 if not load.prefetch.done():
                     return LOADING
-                self.store.complete(load.prefetch)
+                # Others running: the hand-over is spread over steps (`cache.ssd_handover_ms` each).
+                handover = self.config.cache.ssd_handover_ms
+                budget = handover / 1e3 if handover is not None and self._others_run() else None
+                if not self.store.complete(load.prefetch, budget):
+                    return LOADING
                 load.taken = True
             return self.store.find(tokens, salt)
         match = self.store.find(tokens, salt)
@@ -230,6 +234,11 @@ class Engine:
         self._loads[id(tokens)] = _Load(tokens, prefetch)
         prefetch.on_done(lambda: self.wake())
         return LOADING
+
+    def _others_run(self) -> bool:
+        """Whether any request is admitted (prefilling or decoding): it waits for every step here.
+        (The loading request itself is still waiting.)"""
+        return any(s.status in (RequestStatus.PREFILLING, RequestStatus.DECODING) for s in self.seqs.values())
 
     def _admit(self, admission: Admission) -> list[TokenEvent]:
         seq = self.seqs[admission.request.request_id]

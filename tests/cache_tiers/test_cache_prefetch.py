@@ -15,7 +15,8 @@ def _prefetched_hit(s, prompt):
     p = s.prefetch(match, prompt)
     assert p is not None
     p.future.result(timeout=30)
-    taken = s.complete(p)
+    assert s.complete(p)
+    taken = p.blocks_taken
     return taken, s.restore(prompt, s.find(prompt))
 
 
@@ -49,7 +50,7 @@ def test_a_prefetch_starts_past_what_ram_holds(tmp_path):
     p = s.prefetch(s.find(toks(100) + [5]), toks(100) + [5])
     assert (p.first, p.last) == (2, 6)
     p.future.result(timeout=30)
-    assert s.complete(p) == 4
+    assert s.complete(p) and p.blocks_taken == 4
     assert s.restore(toks(100) + [5], s.find(toks(100) + [5])).num_tokens == 100
     s.close()
 
@@ -79,3 +80,47 @@ def test_nothing_to_prefetch_for_a_ram_hit_or_without_an_ssd(tmp_path):
     ram_only = store()
     ram_only.offer(toks(100), kv_cache(100), "finished")
     assert ram_only.prefetch(ram_only.find(toks(100) + [5]), toks(100) + [5]) is None
+
+
+def test_a_budgeted_hand_over_takes_a_block_a_call_and_ends_with_what_a_whole_one_gives(tmp_path):
+    s = store(tmp_path)
+    original = kv_cache(100)
+    s.offer(toks(100), original, "finished")
+    ssd_only(s)
+    prompt = toks(100) + [5]
+    p = s.prefetch(s.find(prompt), prompt)
+    p.future.result(timeout=30)
+    progress = []
+    while not s.complete(p, budget_s=1e-9):  # always at least one block, then out of time
+        progress.append(p.blocks_taken)
+        assert s.ram.reach(s._chain(prompt[:96], "")) == p.blocks_taken  # held as soon as taken
+    assert progress == [1, 2, 3, 4, 5] and p.blocks_taken == 6 and s.complete(p, budget_s=1e-9)
+    hit = s.restore(prompt, s.find(prompt))
+    assert hit.tier == "ssd" and hit.num_tokens == 100 and same_kv(hit.cache, original, 100)
+    s.close()
+
+
+def test_a_hand_over_stops_when_ram_lets_its_blocks_go_between_calls(tmp_path):
+    s = store(tmp_path)
+    s.offer(toks(100), kv_cache(100), "finished")
+    ssd_only(s)
+    prompt = toks(100) + [5]
+    p = s.prefetch(s.find(prompt), prompt)
+    p.future.result(timeout=30)
+    assert not s.complete(p, budget_s=1e-9) and not s.complete(p, budget_s=1e-9) and p.blocks_taken == 2
+    s.clear("ram")  # evicted between two steps
+    assert s.complete(p, budget_s=1e-9) and p.blocks_taken == 2 and s.ram.reach(s._chain(prompt[:96], "")) == 0
+    hit = s.restore(prompt, s.find(prompt))  # the restore reads what it needs itself
+    assert hit is not None and hit.tier == "ssd" and hit.num_tokens == 100
+    s.close()
+
+
+def test_the_hand_over_setting_is_checked():
+    import pytest
+
+    from cache_tiers.config import CacheConfig
+
+    assert CacheConfig().ssd_handover_ms == 20.0 and CacheConfig(ssd_handover_ms=None).ssd_handover_ms is None
+    for bad in (0, -1, "fast", True):
+        with pytest.raises(ValueError, match="ssd_handover_ms"):
+            CacheConfig(ssd_handover_ms=bad)

@@ -6,6 +6,7 @@ boundary. One tail per block, the latest; a block written later under the same b
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from test_cache_support import BLOCK, FlakyStorage, chain, kv_cache, kv_for, same_kv, settle, ssd_only, store, toks
 
 from cache_tiers.keys import tail_key
@@ -36,7 +37,7 @@ def test_a_restart_serves_the_blocks_and_the_tail_bit_for_bit(tmp_path):
     again = store(tmp_path)
     p = again.prefetch(again.find(toks(100) + [5]), toks(100) + [5])
     p.future.result(timeout=30)
-    assert again.complete(p) == 6
+    assert again.complete(p) and p.blocks_taken == 6
     hit = again.restore(toks(100) + [5], again.find(toks(100) + [5]))
     assert hit.tier == "ssd" and hit.num_tokens == 100 and same_kv(hit.cache, original, 100)
     again.close()
@@ -84,7 +85,7 @@ def test_a_damaged_tail_is_deleted_and_counted_and_the_blocks_still_serve(tmp_pa
     storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])  # parses, fails its checksum
     p = s.prefetch(s.find(toks(100) + [5]), toks(100) + [5])
     p.future.result(timeout=30)
-    assert s.complete(p) == 6
+    assert s.complete(p) and p.blocks_taken == 6
     hit = s.restore(toks(100) + [5], s.find(toks(100) + [5]))
     assert hit.tier == "ssd" and hit.num_tokens == 96
     assert mx.array_equal(hit.cache[0].keys, original[0].keys[..., :96, :])
@@ -100,3 +101,33 @@ def test_a_tenants_tail_is_not_served_to_another(tmp_path):
     hit = s.lookup(toks(100) + [5], salt="alice")
     assert hit.tier == "ssd" and hit.num_tokens == 100
     s.close()
+
+
+
+def test_a_stored_tail_is_checked_like_a_block():
+    """bfloat16 rows round-trip; bytes under another block's key, a block's bytes under a tail key,
+    or a tail as long as a block are refused (CorruptEntry: the tier deletes and counts them)."""
+    import pytest
+
+    from cache_tiers import blocks as blk
+    from cache_tiers import codec
+
+    cache = kv_cache(20)
+    for c in cache:
+        c.keys, c.values = c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16)
+    parts = blk.split(cache, 20)
+    digests = chain(toks(20), BLOCK)
+    tail = blk.cut_tail(parts, 16, digests[0], np.asarray(toks(20)))
+    data = codec.encode(codec.to_host(codec.prepare_tail(tail)), "fp")
+    back = codec.to_tail(codec.parse_tail(data, "fp", digests[0], BLOCK))
+    assert back.parent == digests[0] and list(back.tokens) == toks(20)[16:]
+    assert all(mx.array_equal(a, b) and a.dtype == mx.bfloat16 for a, b in zip(back.arrays, tail.arrays))
+    with pytest.raises(codec.CorruptEntry):
+        codec.parse_tail(data, "fp", b"x" * 16, BLOCK)  # another block's tail
+    with pytest.raises(codec.CorruptEntry):
+        codec.parse_tail(data, "other-model", digests[0], BLOCK)
+    with pytest.raises(codec.CorruptEntry):
+        codec.parse_tail(data, "fp", digests[0], 4)  # 4 tokens is not fewer than a block of 4
+    block = blk.cut_blocks(parts, digests, np.asarray(toks(20)), 0, 1, BLOCK)[0]
+    with pytest.raises(codec.CorruptEntry):
+        codec.parse_tail(codec.encode(codec.to_host(codec.prepare_block(block)), "fp"), "fp", digests[0], BLOCK)

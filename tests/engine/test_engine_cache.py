@@ -213,3 +213,68 @@ def test_a_request_aborted_while_its_prefix_loads_ends_and_the_engine_goes_on(ti
         assert run(eng.call(lambda e: len(e._loads))) == 0
     finally:
         held.close()
+
+
+def _recorded_restart(tiny_model_dir, tmp_path, **cache_kw):
+    """An engine restarted on an SSD holding LONG's prefix, whose store records each `complete`
+    call: (time, what it returned, blocks held so far)."""
+    import time
+
+    config = cache_config(tmp_path, **cache_kw)
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+    run(eng.shutdown())
+    stores: list = []
+    eng = make_engine(tiny_model_dir, cache=config,
+                      store_factory=lambda c, l: stores.append(default_store(c, l)) or stores[0])
+    calls: list = []
+    complete = stores[0].complete
+
+    def recorded(prefetch, budget_s=None):
+        done = complete(prefetch, budget_s)
+        calls.append((time.perf_counter(), done, prefetch.blocks_taken))
+        return done
+
+    stores[0].complete = recorded
+    return eng, calls
+
+
+def test_a_long_ssd_hit_is_handed_over_across_steps_while_others_run(tiny_model_dir, tmp_path, cold_texts):
+    """With a request decoding, the hit's rows become MLX arrays a step at a time (`ssd_handover_ms`,
+    here small enough for one block a step), the decoding request's tokens arriving in between;
+    the hit then gives the cold output. Alone, the hand-over is one call."""
+    import asyncio
+    import time
+
+    eng, calls = _recorded_restart(tiny_model_dir, tmp_path, ssd_handover_ms=1e-6)
+    stamps: list[float] = []
+
+    async def scenario():
+        async def other():
+            async for batch in eng.stream(request(eng, "Hello there, how are you today?", max_tokens=200,
+                                                  ignore_eos=True)):
+                stamps.extend(time.perf_counter() for e in batch if e.token_id is not None)
+
+        running = asyncio.create_task(other())
+        while not stamps:
+            await asyncio.sleep(0.01)
+        hit = await collect(eng, request(eng, LONG + "Where?", max_tokens=20))
+        eng.abort(next(iter(r["id"] for r in await eng.requests_status())))
+        await running
+        return hit
+
+    try:
+        text, events = run(scenario())
+        assert text == cold_texts["Where?"] and events[-1].usage.cache_tier == "ssd"
+        assert len(calls) > 2 and not any(done for _, done, _ in calls[:-1]) and calls[-1][1]
+        assert [taken for _, _, taken in calls] == list(range(1, len(calls) + 1))  # a block a step
+        assert sum(1 for t in stamps if calls[0][0] < t < calls[-1][0]) >= len(calls) - 2  # the other went on
+    finally:
+        run(eng.shutdown())
+    eng, calls = _recorded_restart(tiny_model_dir, tmp_path / "alone", ssd_handover_ms=1e-6)
+    try:
+        text, events = run(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        assert text == cold_texts["Where?"] and events[-1].usage.cache_tier == "ssd"
+        assert len(calls) == 1 and calls[0][1] and calls[0][2] > 2  # nobody to wait: all at once
+    finally:
+        run(eng.shutdown())
