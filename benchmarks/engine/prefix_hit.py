@@ -16,10 +16,12 @@ import tempfile
 import time
 
 
-async def _ttft(engine, tokens, rid: str) -> tuple[float, int]:
+async def first_token(engine, tokens, rid: str, max_tokens: int = 8, salt: str = "") -> tuple[float, float, int]:
+    """Send `tokens` (greedy) and read it to its end: (sent at, first token at, cached tokens)."""
     from engine.types import Request, SamplingParams
 
-    req = Request(tuple(tokens), SamplingParams(max_tokens=8, temperature=0.0), request_id=rid)
+    req = Request(tuple(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=rid,
+                  cache_salt=salt)
     t0, first, cached = time.perf_counter(), None, 0
     async for batch in engine.stream(req):
         if first is None and any(e.token_id is not None for e in batch):
@@ -27,7 +29,12 @@ async def _ttft(engine, tokens, rid: str) -> tuple[float, int]:
         for e in batch:
             if e.finished and e.usage:
                 cached = e.usage.cached_tokens
-    return (first or time.perf_counter()) - t0, cached
+    return t0, first or time.perf_counter(), cached
+
+
+async def _ttft(engine, tokens, rid: str) -> tuple[float, int]:
+    t0, first, cached = await first_token(engine, tokens, rid)
+    return first - t0, cached
 
 
 def _prompt(tokenizer, n: int) -> list[int]:

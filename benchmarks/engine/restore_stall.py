@@ -53,17 +53,9 @@ async def _stream(engine: Any, tokens: list[int], rid: str, stamps: list[float],
 
 
 async def _hit(engine: Any, tokens: list[int], rid: str, salt: str) -> tuple[float, float, int]:
-    from engine.types import Request, SamplingParams
+    from benchmarks.engine.prefix_hit import first_token
 
-    req = Request(tuple(tokens), SamplingParams(max_tokens=2, temperature=0.0), request_id=rid, cache_salt=salt)
-    t0, first, cached = time.perf_counter(), None, 0
-    async for batch in engine.stream(req):
-        if first is None and any(e.token_id is not None for e in batch):
-            first = time.perf_counter()
-        for e in batch:
-            if e.finished and e.usage:
-                cached = e.usage.cached_tokens
-    return t0, first or time.perf_counter(), cached
+    return await first_token(engine, tokens, rid, max_tokens=2, salt=salt)
 
 
 def _gaps(stamps: list[list[float]], lo: float, hi: float) -> list[float]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
-from test_cache_support import FlakyStorage, bkey, kv_cache, same_kv, settle, ssd_only, store, toks
+from test_cache_support import (FlakyStorage, bkey, flip_a_data_bit, kv_cache, offered_to_ssd_only, same_kv, settle,
+                                ssd_only, store, toks)
 
 
 def _prefetched_hit(s, prompt):
@@ -56,14 +57,9 @@ def test_a_prefetch_starts_past_what_ram_holds(tmp_path):
 
 
 def test_a_damaged_row_ends_the_prefetched_run_and_is_deleted(tmp_path):
-    storage = FlakyStorage(str(tmp_path / "ssd"))
-    s = store(storage=storage)
-    original = kv_cache(100)
-    s.offer(toks(100), original, "finished")
-    ssd_only(s)
+    storage, s, original = offered_to_ssd_only(tmp_path)
     key = bkey(toks(100), 3)
-    good = storage.get(key)
-    storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])  # parses, fails its checksum
+    flip_a_data_bit(storage, key)
     taken, hit = _prefetched_hit(s, toks(100) + [5])
     assert taken == 3 and hit.tier == "ssd" and hit.num_tokens == 48  # the blocks before it still serve
     assert mx.array_equal(hit.cache[0].keys[..., :48, :], original[0].keys[..., :48, :])

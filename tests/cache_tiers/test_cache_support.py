@@ -112,6 +112,23 @@ def ssd_only(s: TieredStore) -> None:
     s.clear("ram")
 
 
+def offered_to_ssd_only(tmp_path: Path, n: int = 100) -> tuple["FlakyStorage", TieredStore, list[KVCache]]:
+    """A store over a FlakyStorage directory that was offered `n` tokens (finished), its RAM emptied:
+    (the storage, the store, the offered cache)."""
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage)
+    original = kv_cache(n)
+    s.offer(toks(n), original, "finished")
+    ssd_only(s)
+    return storage, s, original
+
+
+def flip_a_data_bit(storage: Any, key: str) -> None:
+    """Damage a stored row the way bit rot would: it still parses, and fails its checksum."""
+    good = storage.get(key)
+    storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])
+
+
 def row_file(directory: Path, key: str) -> Path | None:
     """The file diskcache keeps a row's value in (None: the value is inline in SQLite)."""
     with sqlite3.connect(directory / "cache.db") as db:

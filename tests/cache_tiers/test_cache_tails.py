@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from test_cache_support import BLOCK, FlakyStorage, chain, kv_cache, kv_for, same_kv, settle, ssd_only, store, toks
+from test_cache_support import (BLOCK, FlakyStorage, chain, flip_a_data_bit, kv_cache, kv_for, offered_to_ssd_only,
+                                same_kv, settle, ssd_only, store, toks)
 
 from cache_tiers.keys import tail_key
 
@@ -75,14 +76,9 @@ def test_the_latest_finished_tail_under_a_block_replaces_the_one_before(tmp_path
 
 
 def test_a_damaged_tail_is_deleted_and_counted_and_the_blocks_still_serve(tmp_path):
-    storage = FlakyStorage(str(tmp_path / "ssd"))
-    s = store(storage=storage)
-    original = kv_cache(100)
-    s.offer(toks(100), original, "finished")
-    ssd_only(s)
+    storage, s, original = offered_to_ssd_only(tmp_path)
     key = tkey(toks(100), 5)
-    good = storage.get(key)
-    storage.set(key, good[:-5] + bytes([good[-5] ^ 0x10]) + good[-4:])  # parses, fails its checksum
+    flip_a_data_bit(storage, key)
     p = s.prefetch(s.find(toks(100) + [5]), toks(100) + [5])
     p.future.result(timeout=30)
     assert s.complete(p) and p.blocks_taken == 6
