@@ -338,7 +338,7 @@ class SsdTier:
             self.counters.write_errors += 1
 
     def stats(self) -> dict[str, object]:
-        """Counters plus what the directory holds: `keys` counts blocks and exact states.
+        """Counters plus what the directory holds: `keys` counts blocks, exact states and tails.
 
         A directory that cannot be counted (deleted, unreadable) leaves `keys`/`bytes` out rather
         than reporting a made-up number; `stats_errors` counts those failures (logged once per run
