@@ -1,11 +1,11 @@
 """SSD tier: blocks and exact states by chain digest in a diskcache directory, written behind.
 
 Layout. Block k of a chain is the row `block_key(chain[k-1])`; an exact state ending there is
-`state_key(chain[k-1])`; the latest offer's KV tail past it (fewer than a block of tokens, models
-without exact layers) `tail_key(chain[k-1])`, deleted when a block is written under it. Rows are content-addressed: a block is written once whoever offers it
-(two replicas sharing a directory included: the second finds it there and skips the write), so a
-conversation's next turn writes its new blocks only, and the directory's bytes are the distinct
-tokens it holds.
+`state_key(chain[k-1])`; the latest finished offer's KV tail past it (fewer than a block of tokens,
+models without exact layers) `tail_key(chain[k-1])`, deleted when a block is written under it.
+Blocks and states are content-addressed: written once whoever offers them (two replicas sharing a
+directory included: the second finds the row there and skips the write), so a conversation's next
+turn writes its new blocks only, and the directory's bytes are the distinct tokens it holds.
 
 Probe. Block presence along a prompt's chain is (up to independent LRU eviction) monotone: a
 block is offered only with every block before it. The longest stored run is found by binary
