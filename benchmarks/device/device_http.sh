@@ -61,11 +61,14 @@ cat REVISION 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 SHAPE=${AGENT_SHAPE:-smollm2} DTYPE=${AGENT_DTYPE:-bfloat16}
 AGENT_PORT=${AGENT_PORT:-18140} REUSE_PORT=${REUSE_PORT:-18100} SSD_PORT=${SSD_PORT:-18160}
-agent_model() {  # the random $SHAPE model in $DTYPE at device_models.CONTEXT, built once per lease
-  local dir=/tmp/models/$SHAPE-$DTYPE ctx
-  ctx=$(python3 -c "from benchmarks.device.device_models import CONTEXT; print(CONTEXT)") || return 1
-  if ! grep -q "\"max_position_embeddings\": $ctx," "$dir/config.json" 2>/dev/null; then
+agent_model() {  # the random $SHAPE model in $DTYPE at device_models.CONTEXT, built once per lease, and again
+  # whenever device_models.py changed since (a directory an older harness built, e.g. one whose tokenizer
+  # spelled ChatML's markers out, must not be measured: it is marked with the builder's hash)
+  local dir=/tmp/models/$SHAPE-$DTYPE sig
+  sig=$(cat benchmarks/device/device_models.py benchmarks/device/device_serve_model.py | sha1sum | cut -c1-16) || return 1
+  if [ "$(cat "$dir/.built-by" 2>/dev/null)" != "$sig" ]; then
     rm -rf "$dir" && python3 -m benchmarks.device.device_serve_model "$SHAPE" "$dir" --dtype "$DTYPE" >/dev/null || return 1
+    echo "$sig" > "$dir/.built-by"
   fi
   echo "$dir"
 }
