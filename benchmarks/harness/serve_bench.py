@@ -82,6 +82,11 @@ def _log(label: str, what: str, agg: dict[str, Any]) -> None:
     print(f"[{label}] {what}: {agg['completed']} ok, {agg['errors']} errors, "
           f"{agg['output_throughput']:.1f} out tok/s, TTFT p50 {agg['ttft_ms']['p50']:.0f} ms, "
           f"TPOT p50 {agg['tpot_ms']['p50']:.1f} ms, cached {agg['cached_token_share']:.0%}", flush=True)
+    steps = agg.get("engine_steps") or {}
+    if "engine_ttft_ms" in steps and "ingress_ttft_ms" in steps:  # Pomona: where its mean TTFT went
+        client, ingress, engine = agg["ttft_ms"]["mean"], steps["ingress_ttft_ms"], steps["engine_ttft_ms"]
+        print(f"[{label}]   TTFT mean {client:.1f} ms = engine {engine:.1f} (queue {steps['engine_queue_ms']:.1f}) "
+              f"+ hops {ingress - engine:.1f} + front {client - ingress:.1f}", flush=True)
     if agg["errors"]:
         print(f"[{label}]   errors: {agg['error_samples']}", flush=True)
 

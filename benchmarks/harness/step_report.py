@@ -9,7 +9,12 @@ whose driver waits without spinning) when it did:
 - `ms_per_step`: wall time of `Engine.step` per step; `step_cpu_ms`: the MLX thread's CPU in it;
 - `tokens_per_step` / `prompt_tokens_per_step`: output and prompt tokens per step;
 - `deliver_ms_per_step`, `commands_ms_per_step`: handing events to the event loops, taking requests;
-- `busy_share`: the thread's accounted time over the level's wall time.
+- `busy_share`: the thread's accounted time over the level's wall time;
+- `engine_ttft_ms` / `engine_queue_ms`: the mean first-token time and queue time the engine counted
+  from each request's arrival there (queue, prefix restore, prefill), and over HTTP `ingress_ttft_ms`,
+  the ingress's mean from handing the tokens on to the first batch back. Set beside the client's
+  mean TTFT they split it as benchmarks/agent/serving_path.py does per turn: engine, hops (ingress
+  less engine), front (client less ingress), for every part of a run (prefix, multi-turn, sweep).
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ import httpx
 
 KINDS = ("commands", "step", "step_cpu", "deliver")
 _METRIC = re.compile(r'^pomona_engine_(\w+?)(?:\{kind="(\w+)"\})? ([0-9.eE+-]+)$')
+# The ingress's TTFT histogram (api/core/metrics.py), summed over its labels.
+_INGRESS = re.compile(r'^pomona_time_to_first_token_seconds_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+)$')
 
 
 def counters(stats: Mapping[str, Any]) -> dict[str, float]:
     """The counters this report reads, from an engine stats dict (`AsyncEngine.stats()`)."""
     times = stats.get("mlx_thread_seconds") or {}
     out = {"steps": float(stats.get("steps", 0)), "tokens": float(stats.get("generation_tokens_total", 0)),
-           "prompt_tokens": float(stats.get("prompt_tokens_total", 0))}
+           "prompt_tokens": float(stats.get("prompt_tokens_total", 0)),
+           "first_tokens": float(stats.get("first_tokens", 0)), "ttft_s": float(stats.get("ttft_seconds_sum", 0.0)),
+           "queue_s": float(stats.get("queue_seconds_sum", 0.0))}
     out.update({k: float(times.get(k, 0.0)) for k in KINDS})
     runner = stats.get("runner") or {}  # the own step's (engine/step/step_runner.py) counters, in process only
     out.update({f"runner_{k}": float(v) for k, v in runner.items() if isinstance(v, (int, float))})
@@ -37,7 +46,12 @@ def counters(stats: Mapping[str, Any]) -> dict[str, float]:
 def from_metrics(text: str) -> dict[str, float] | None:
     """The same counters from a /metrics exposition; None when it has none (not Pomona)."""
     stats: dict[str, Any] = {"mlx_thread_seconds": {}}
+    ingress = {"sum": 0.0, "count": 0.0}
     for line in text.splitlines():
+        i = _INGRESS.match(line)
+        if i:
+            ingress[i.group(1)] += float(i.group(2))
+            continue
         m = _METRIC.match(line)
         if not m:
             continue
@@ -46,7 +60,9 @@ def from_metrics(text: str) -> dict[str, float] | None:
             stats["mlx_thread_seconds"][kind] = value
         elif kind is None:
             stats[name] = value
-    return counters(stats) if "steps" in stats else None
+    if "steps" not in stats:
+        return None
+    return {**counters(stats), "ingress_ttft_s": ingress["sum"], "ingress_first_tokens": ingress["count"]}
 
 
 def scrape(base_url: str) -> dict[str, float] | None:
@@ -71,7 +87,18 @@ def report(before: Mapping[str, float] | None, after: Mapping[str, float] | None
             "deliver_ms_per_step": round(1000 * d["deliver"] / steps, 3),
             "commands_ms_per_step": round(1000 * d["commands"] / steps, 3),
             "busy_share": round((d["step"] + d["deliver"] + d["commands"]) / wall_s, 3),
-            **_runner(d, after, steps)}
+            **_first_tokens(d), **_runner(d, after, steps)}
+
+
+def _first_tokens(d: Mapping[str, float]) -> dict[str, float]:
+    """Mean first-token times the engine (and over HTTP the ingress) counted over the level."""
+    out = {}
+    if d.get("first_tokens", 0) > 0:
+        out["engine_ttft_ms"] = round(1000 * d["ttft_s"] / d["first_tokens"], 2)
+        out["engine_queue_ms"] = round(1000 * d["queue_s"] / d["first_tokens"], 2)
+    if d.get("ingress_first_tokens", 0) > 0:
+        out["ingress_ttft_ms"] = round(1000 * d["ingress_ttft_s"] / d["ingress_first_tokens"], 2)
+    return out
 
 
 def _runner(d: Mapping[str, float], after: Mapping[str, float], steps: float) -> dict[str, float]:

@@ -161,3 +161,25 @@ def test_spec_replay_counts_what_the_engine_proposes_and_accepts(tiny_model_dir:
     assert counts["spec_proposed_tokens"] > 0
     assert (result["proposed"], result["accepted"]) == (counts["spec_proposed_tokens"], counts["spec_accepted_tokens"])
     assert result["tokens"] == len(off) - 1 and result["steps"] == len(off) - 1 - result["accepted"]
+
+
+def test_the_step_report_splits_a_levels_mean_ttft_by_the_servers_own_sums() -> None:
+    """From two /metrics scrapes: the engine's mean TTFT and queue time (its sums over its first
+    tokens) and the ingress's mean TTFT (its histogram, summed over labels), for the level between."""
+    from benchmarks.harness.step_report import from_metrics, report
+
+    def exposition(steps: int, firsts: int, ttft: float, queue: float, ingress: tuple[float, float]) -> str:
+        return "\n".join([
+            f"pomona_engine_steps {steps}", f"pomona_engine_first_tokens {firsts}",
+            f"pomona_engine_ttft_seconds_sum {ttft}", f"pomona_engine_queue_seconds_sum {queue}",
+            'pomona_engine_mlx_thread_seconds{kind="step"} 1.0',
+            f'pomona_time_to_first_token_seconds_sum{{model="a"}} {ingress[0] / 2}',
+            f'pomona_time_to_first_token_seconds_sum{{model="b"}} {ingress[0] / 2}',
+            f'pomona_time_to_first_token_seconds_count{{model="a"}} {ingress[1]}',
+            'pomona_time_to_first_token_seconds_bucket{model="a",le="0.1"} 3'])
+
+    before = from_metrics(exposition(10, 4, 0.4, 0.1, (0.6, 4)))
+    after = from_metrics(exposition(30, 14, 1.4, 0.3, (2.1, 14)))
+    got = report(before, after, 2.0)
+    assert (got["engine_ttft_ms"], got["engine_queue_ms"], got["ingress_ttft_ms"]) == (100.0, 20.0, 150.0)
+    assert from_metrics("pomona_time_to_first_token_seconds_sum 1.0") is None  # no engine: not Pomona's
