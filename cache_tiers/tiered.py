@@ -296,7 +296,7 @@ class TieredStore:
         arrays and hold it in RAM (a later `find` sees it there); True once all of it is taken (or
         dropped: rows that are missing or damaged go as a restore drops them). With `budget_s`, it
         stops once it has spent about that long (always taking a block first) and returns False:
-        the next call, a step later, goes on. Why: making a long hit's rows MLX arrays copies all
+        the next call, a step later, goes on (and stops if RAM let the blocks before go meanwhile). Why: making a long hit's rows MLX arrays copies all
         of them (276 MB for 6,000 tokens of the default model in float32: 33-120 ms here), and the
         step that does it is a step every running request waits for."""
         p = prefetch
@@ -317,9 +317,6 @@ class TieredStore:
                 p.finished = True  # RAM let the blocks before them go meanwhile: the restore reads what it needs
                 return True
         started, chain, took = time.perf_counter(), p.found.chain, 0
-        held = p.first + p._next
-        if p._next and self.ram.reach(chain[:held]) < held:  # RAM let some go between two calls
-            p._next = len(p._rows)
         while p._next < len(p._rows):
             if budget_s is not None and took and time.perf_counter() - started >= budget_s:
                 return False
@@ -332,8 +329,8 @@ class TieredStore:
             block = got[0]
             if self._exact is None:
                 self._exact = block.layout.needs_exact
-            if not self.ram.add(block, persisted=True, root=p.found.seed):
-                p._next = len(p._rows)
+            if not self.ram.add(block, persisted=True, root=p.found.seed):  # no room, or RAM let the
+                p._next = len(p._rows)  # block before it go since the last call (it stays prefix-closed)
                 break
             self.ram.counters.promotions += 1
             p.blocks_taken += 1
