@@ -124,10 +124,11 @@ for what in ${1//,/ }; do
       tar -czf "$OUTDIR/logs-$what${SIDE_TAG:-}.tgz" -C "/tmp/side-$what" logs
       python3 -m benchmarks.device.device_http_report "$OUTDIR/side-$what${SIDE_TAG:-}.json" ;;
     spec)  # issue 34: speculation off / on, engine in process, on a real model ($SPEC_MODEL: SmolLM2-135M-
-      # Instruct as Pomona serves it, 4-bit; its context raised to 16k for the agent turns, 5-8k tokens)
+      # Instruct as Pomona serves it, 4-bit; its context raised to 16k for the agent turns, 5-8k tokens).
+      # SPEC_ON's default is quoted: an unquoted } in it would end the ${...:-} early.
       bounded "${SPEC_TIMEOUT:-360}" python3 -m benchmarks.engine.speculative "${SPEC_MODEL:-/tmp/models/smollm2-real}" \
         --concurrency "${SPEC_LEVELS:-1,8,32}" --workloads "${SPEC_WORKLOADS:-code-edit,random,agent}" \
-        --spec "${SPEC_ON:-{method: prompt_lookup}}" --max-tokens "${SPEC_TOKENS:-300}" ${SPEC_FLAGS:-} >"$OUTDIR/spec${SPEC_TAG:-}.log" \
+        --spec "${SPEC_ON:-"{method: prompt_lookup}"}" --max-tokens "${SPEC_TOKENS:-300}" ${SPEC_FLAGS:-} >"$OUTDIR/spec${SPEC_TAG:-}.log" \
         2>/tmp/spec.stderr || tail -c 2000 /tmp/spec.stderr
       grep -v '^{' "$OUTDIR/spec${SPEC_TAG:-}.log" ;;
     agent)
