@@ -63,6 +63,10 @@ class RamTier:
         # tenant's never answer another's lookups.
         self._root_tails: OrderedDict[bytes, list[Tail]] = OrderedDict()
         self._kids: dict[bytes, set[bytes]] = {}  # parent digest (a first block: its seed) -> held blocks
+        # Nodes whose block or state the SSD has not taken yet, oldest first: a parent is always
+        # added before its children, so this order writes a chain root to leaf (what a reader
+        # after a restart can use: it stops at the first gap).
+        self._unwritten: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -105,6 +109,7 @@ class RamTier:
         node = self._nodes.get(block.digest)
         if node is not None:
             node.persisted = node.persisted or persisted
+            self._settle(node)
             self._touch(node)
             return True
         if block.parent is not None and block.parent not in self._nodes:
@@ -115,6 +120,8 @@ class RamTier:
             return False
         node = _Node(block, persisted, next(self._clock), under=block.parent if block.parent is not None else root)
         self._nodes[block.digest] = node
+        if not persisted:
+            self._unwritten[block.digest] = None
         self._kids.setdefault(node.under, set()).add(block.digest)
         if block.parent is not None:
             self._nodes[block.parent].children += 1
@@ -131,9 +138,12 @@ class RamTier:
             return False
         if node.state is not None:
             node.state_persisted = node.state_persisted or persisted
+            self._settle(node)
             self._touch(node)
             return True
         node.state, node.state_persisted = state, persisted
+        if not persisted:
+            self._unwritten[state.digest] = None
         self.nbytes += state.nbytes
         self._touch(node)
         self._enforce_budget(keep=state.digest)
@@ -211,14 +221,39 @@ class RamTier:
             parts.append(node.block.tokens)
         return np.concatenate(parts[::-1])
 
-    def unpersisted(self) -> Iterator[Block | ExactState]:
-        """What was never handed to the SSD (written there at close; order does not matter there:
-        its rows are content-addressed and a reader stops at the first gap)."""
-        for node in sorted(self._nodes.values(), key=lambda nd: nd.used):
+    def unpersisted(self, limit: int | None = None) -> Iterator[Block | ExactState]:
+        """What the SSD has not taken yet, oldest first (a chain root to leaf, a block before the
+        state it ends), from the first `limit` such blocks. Mark each taken with `persisted`; the
+        iteration may stop anywhere."""
+        digests = list(self._unwritten if limit is None else itertools.islice(self._unwritten, limit))
+        for digest in digests:
+            node = self._nodes.get(digest)
+            if node is None:
+                continue
             if not node.persisted:
                 yield node.block
             if node.state is not None and not node.state_persisted:
                 yield node.state
+
+    @property
+    def unwritten(self) -> int:
+        """How many held blocks (or their states) the SSD has not taken yet."""
+        return len(self._unwritten)
+
+    def persisted(self, item: Block | ExactState) -> None:
+        """`item` (held here) was handed to the SSD."""
+        node = self._nodes.get(item.digest)
+        if node is None:
+            return
+        if isinstance(item, Block):
+            node.persisted = True
+        elif node.state is item:
+            node.state_persisted = True
+        self._settle(node)
+
+    def _settle(self, node: _Node) -> None:
+        if node.persisted and (node.state is None or node.state_persisted):
+            self._unwritten.pop(node.block.digest, None)
 
     # -- budget ---------------------------------------------------------------------------------
     def resize(self, budget_bytes: int) -> None:
@@ -231,6 +266,7 @@ class RamTier:
         self._kids.clear()
         self._leaves.clear()
         self._root_tails.clear()
+        self._unwritten.clear()
         self.nbytes = 0
 
     def _enforce_budget(self, keep: bytes | None = None) -> None:
@@ -257,6 +293,7 @@ class RamTier:
     def _evict(self, node: _Node) -> None:
         block = node.block
         del self._nodes[block.digest]
+        self._unwritten.pop(block.digest, None)  # `on_evict` below demotes what it holds
         kids = self._kids.get(node.under)
         if kids is not None:
             kids.discard(block.digest)

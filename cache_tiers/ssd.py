@@ -87,9 +87,22 @@ class SsdTier:
 
     # ---- MLX thread -------------------------------------------------------------------------
 
-    def offer(self, item: Block | ExactState | Tail) -> bool:
+    @property
+    def queue_items(self) -> int:
+        """The backlog's bound in rows (offered, not yet written)."""
+        return self._queue_items
+
+    def has_room(self) -> bool:
+        """Whether an offer now could be taken (writes enabled, the backlog below its bounds)."""
+        with self._lock:
+            backlog = len(self._pending) + self._queue.qsize()
+            return self.writes_enabled and backlog < self._queue_items and self._pending_bytes < self._queue_bytes
+
+    def offer(self, item: Block | ExactState | Tail, retry: bool = False) -> bool:
         """Name `item`'s arrays for writing and start them; False if not taken (writes disabled,
-        or the backlog is full: the RAM tier then keeps it as not persisted and demotes it later).
+        or the backlog is full: the RAM tier then keeps it as not persisted, and the store offers
+        it again once the writer has room). `retry`: such a second offer, whose refusal is not
+        counted again as a drop.
         A tail (a KV tail under a block) replaces the one stored under that block; a block written
         later under the same parent deletes it (its tokens are then in that block, or the
         conversation went another way)."""
@@ -103,7 +116,8 @@ class SsdTier:
         with self._lock:
             backlog = len(self._pending) + self._queue.qsize()
             if backlog >= self._queue_items or (self._pending_bytes and self._pending_bytes + size > self._queue_bytes):
-                self.counters.write_drops += 1
+                if not retry:
+                    self.counters.write_drops += 1
                 return False
             self._pending_bytes += size
         if isinstance(item, Tail):

@@ -82,6 +82,10 @@ class PrefixStore(Protocol):
         """Once per engine step (MLX thread): finish what earlier offers started; `drain`: all of it
         (an idle engine, before a flush)."""
 
+    def unwritten(self) -> int:
+        """Entries RAM holds that the SSD has not taken yet (its writer takes them as it has room,
+        at `tick`): a flush that must leave everything on disk ticks and flushes until this is 0."""
+
     def held_prefixes(self, limit: int = 256) -> list[Any]:
         """Token arrays of the most recently used entries (prefix-affinity routing reports them)."""
 
@@ -121,6 +125,9 @@ class NullStore:
 
     def tick(self, drain: bool = False) -> None:
         return None
+
+    def unwritten(self) -> int:
+        return 0
 
     def held_prefixes(self, limit: int = 256) -> list[Any]:
         return []

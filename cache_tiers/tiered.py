@@ -88,6 +88,7 @@ class Prefetch:
 
 
 LANDED_MAX = 1024  # prefetched runs remembered until their restore (an aborted request's never comes)
+TAILS_DUE_MAX = 64  # finished tails the SSD's writer had no room for, kept (latest per block) until it has
 
 
 class TieredStore:
@@ -112,6 +113,8 @@ class TieredStore:
         self._reader_lock = threading.Lock()
         # The last block of each run a prefetch brought into RAM: its restore is the SSD hit it is.
         self._landed: OrderedDict[bytes, None] = OrderedDict()
+        # Finished tails the SSD's backlog was too full to take, by the block they continue.
+        self._tails_due: OrderedDict[bytes, Tail] = OrderedDict()
 
     # -- lookups --------------------------------------------------------------------------------
     def _seed(self, salt: str) -> bytes:
@@ -383,6 +386,8 @@ class TieredStore:
         seed = self._seed(salt)
         for b in new:
             queued = self.ssd.offer(b) if self.ssd is not None else False
+            if b.parent is not None:
+                self._tails_due.pop(b.parent, None)  # a block under it makes that tail stale
             if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
                 self._demote(b, False)
         if k * bs < n:  # the tokens past the last whole block: RAM, and the SSD under a block
@@ -390,8 +395,11 @@ class TieredStore:
             self.ram.add_tail(tail, seed)
             # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
             # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.
-            if self.ssd is not None and k and not exact and kind == "finished":
-                self.ssd.offer(tail)  # if the writer's backlog is full the tail stays RAM's alone
+            if self.ssd is not None and k and not exact and kind == "finished" and not self.ssd.offer(tail):
+                self._tails_due[tail.parent] = tail  # written once the writer has room (`tick`)
+                self._tails_due.move_to_end(tail.parent)
+                while len(self._tails_due) > TAILS_DUE_MAX:
+                    self._tails_due.popitem(last=False)
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:
@@ -405,9 +413,44 @@ class TieredStore:
 
     def tick(self, drain: bool = False) -> None:
         """Once per engine step on the MLX thread (and with `drain` when idle): hand the SSD writer
-        what earlier steps offered."""
-        if self.ssd is not None:
-            self.ssd.tick(drain)
+        what earlier steps offered, then offer it what its backlog had no room for before.
+
+        Why the second part: the backlog is bounded (`cache.write_queue` rows, 1 GiB) so that host
+        copies waiting for the disk never pile up, and one long prompt has more blocks than that
+        (15,000 tokens: 235 blocks of 64). Those RAM keeps as not written; without this they reached
+        the disk only when RAM evicted them, and a restart lost them: the SSD hit then stopped at
+        the first missing block (4,096 of 15,000 tokens on the H200). Oldest first, so a chain is
+        written root to leaf, as many a step as the writer has room for."""
+        if self.ssd is None:
+            return
+        if drain:  # idle: what is offered now is handed over at once
+            self._catch_up()
+        self.ssd.tick(drain)
+        if not drain:  # offered now, handed over a step later (its copies computed by then)
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        ssd = self.ssd
+        assert ssd is not None
+        if not ssd.has_room():
+            return
+        for item in self.ram.unpersisted(limit=ssd.queue_items):
+            if not ssd.offer(item, retry=True):
+                return
+            self.ram.persisted(item)
+        while self._tails_due:
+            parent, tail = self._tails_due.popitem(last=False)
+            if not ssd.offer(tail, retry=True):
+                self._tails_due[parent] = tail
+                self._tails_due.move_to_end(parent, last=False)
+                return
+
+    def unwritten(self) -> int:
+        """Blocks (and finished tails) RAM holds that the SSD's writer has not taken yet; it takes
+        them as it has room (`tick`). 0 without an SSD or while its writes are off."""
+        if self.ssd is None or not self.ssd.writes_enabled:
+            return 0
+        return self.ram.unwritten + len(self._tails_due)
 
     # -- the rest of the protocol ----------------------------------------------------------------
     def held_prefixes(self, limit: int = 256) -> list[np.ndarray]:
@@ -459,8 +502,10 @@ class TieredStore:
             self._reader_pool.shutdown(wait=True, cancel_futures=True)
         if self.ssd is None:
             return
-        self.ssd.tick(drain=True)
-        for item in self.ram.unpersisted():
-            if self.ssd.offer(item):
-                self.ssd.tick(drain=True)
+        stalled = 0  # everything RAM holds that the disk lacks, as the writer makes room
+        while self.unwritten() and stalled < 2:  # (twice no progress: the writer stopped)
+            before = self.unwritten()
+            self.tick(drain=True)
+            self.ssd.flush()
+            stalled = stalled + 1 if self.unwritten() >= before else 0
         self.ssd.close()

@@ -236,14 +236,21 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.store.stats())
 
     async def flush_cache(self) -> dict[str, Any]:
-        """Wait until queued SSD writes are on disk; returns the cache stats after. The wait runs
-        off the MLX thread (the store's `flush` is safe anywhere), so decoding goes on meanwhile."""
-        def hand_over(engine: Engine) -> Any:
+        """Wait until everything RAM holds is on disk too; returns the cache stats after. The waits
+        run off the MLX thread (the store's `flush` is safe anywhere), so decoding goes on meanwhile;
+        what the writer's bounded backlog could not take yet is handed over as it drains."""
+        def hand_over(engine: Engine) -> tuple[Any, int]:
             engine.store.tick(drain=True)
-            return engine.store
+            return engine.store, engine.store.unwritten()
 
-        store = await self.call(hand_over)
-        await asyncio.to_thread(store.flush)
+        left, stalled = None, 0
+        while stalled < 2:  # (twice no progress: the writer stopped)
+            store, now = await self.call(hand_over)
+            await asyncio.to_thread(store.flush)
+            if now == 0:
+                break
+            stalled = stalled + 1 if left is not None and now >= left else 0
+            left = now
         return await self.cache_stats()
 
     async def held_prefixes(self, limit: int) -> list[Any]:

@@ -236,22 +236,61 @@ def test_deleted_directory_keeps_serving(tmp_path):
     s.close()
 
 
-def test_write_queue_drops_counted_and_demoted_later(tmp_path):
+def test_write_queue_drops_counted_and_written_once_the_writer_has_room(tmp_path):
     storage = FlakyStorage(str(tmp_path / "ssd"))
     storage.gate.clear()  # stall the writer on its first write
     s = store(storage=storage, write_queue=2)
     s.offer(toks(64), kv_cache(64), "finished")  # 4 blocks, 2 taken
-    assert s.stats()["ssd"]["write_drops"] == 2
+    assert s.stats()["ssd"]["write_drops"] == 2 and s.unwritten() == 2
+    s.tick()  # the backlog is still full: nothing more is offered, nor counted as dropped again
+    assert s.unwritten() == 2 and s.stats()["ssd"]["write_drops"] == 2
     storage.gate.set()
     settle(s)
-    assert s.stats()["ssd"]["writes"] == 2
-    s.set_ram_budget(0)  # the two RAM-only blocks are demoted as they leave, the others are not
+    assert s.stats()["ssd"]["writes"] == 4 and s.unwritten() == 0
+    s.set_ram_budget(0)  # all four are on disk: nothing to demote as they leave
     settle(s)
     st = s.stats()
-    assert st["ram"]["evictions"] == 4 and st["ssd"]["demotions"] == 2 and st["ssd"]["writes"] == 4
+    assert st["ram"]["evictions"] == 4 and st["ssd"]["demotions"] == 0 and st["ssd"]["writes"] == 4
     s.set_ram_budget(10**8)
     assert s.lookup(toks(70)).num_tokens == 64
     s.close()
+
+
+def test_a_prompt_longer_than_the_backlog_is_written_root_to_leaf_as_steps_go(tmp_path):
+    """One long prompt has more blocks than the writer's backlog takes (a 15,000-token agent prompt:
+    235 blocks of 64, against `write_queue: 64`): each engine step offers the oldest blocks RAM
+    has not written, as many as the backlog has room for, and a restart then serves all of it."""
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage, write_queue=3)
+    original = kv_cache(164, seed=4)
+    s.offer(toks(164), original, "finished")  # 10 blocks, 3 taken; the 4-token tail waits too
+    assert s.unwritten() == 7 + 1
+    seen = []
+    for _ in range(40):
+        s.tick()
+        s.flush()  # the writer keeps up, as a step's time lets it
+        on_disk = [storage.contains(bkey(toks(164), k)) for k in range(10)]
+        assert on_disk == sorted(on_disk, reverse=True)  # a run from the root, never a gap
+        seen.append(sum(on_disk))
+        if seen[-1] == 10 and not s.unwritten():
+            break
+    assert seen[-1] == 10 and max(b - a for a, b in zip([3] + seen, seen)) <= 3  # at most the room a step
+    s.close()
+    again = store(tmp_path=None, storage=FlakyStorage(str(tmp_path / "ssd")))
+    hit = again.lookup(toks(164) + [5])
+    assert hit.tier == "ssd" and hit.num_tokens == 164 and same_kv(hit.cache, original, 164)
+    again.close()
+
+
+def test_close_writes_everything_ram_holds_whatever_the_backlog(tmp_path):
+    s = store(tmp_path, write_queue=2)
+    original = kv_cache(164, seed=5)
+    s.offer(toks(164), original, "finished")
+    s.close()  # no step ran: close hands the writer all of it, as it makes room
+    again = store(tmp_path)
+    hit = again.lookup(toks(164) + [5])
+    assert hit.tier == "ssd" and hit.num_tokens == 164 and same_kv(hit.cache, original, 164)
+    again.close()
 
 
 def test_write_queue_byte_limit_drops_counted(tmp_path):
@@ -267,7 +306,7 @@ def test_write_queue_byte_limit_drops_counted(tmp_path):
     assert st["write_drops"] == 2 and st["queued_bytes"] == 2 * entry_bytes(BLOCK)
     storage.gate.set()
     settle(s)
-    assert s.stats()["ssd"]["writes"] == 2 and s.stats()["ssd"]["queued_bytes"] == 0
+    assert s.stats()["ssd"]["writes"] == 4 and s.stats()["ssd"]["queued_bytes"] == 0  # the two later
     s.close()
 
 

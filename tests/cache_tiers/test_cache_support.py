@@ -101,9 +101,16 @@ def store(tmp_path: Any = None, *, storage: Any = None, fingerprint: str = FINGE
 
 def settle(s: TieredStore) -> None:
     """Everything offered so far on disk: the store hands SSD writes to its writer one `tick`
-    later (an engine step), so a test drains the hand-over first, then waits for the writer."""
-    s.tick(drain=True)
-    s.flush()
+    later (an engine step), and what the writer's backlog had no room for as it drains, so a test
+    drains the hand-over and waits for the writer until nothing is left (or nothing moves twice)."""
+    stalled = 0
+    while stalled < 2:
+        left = s.unwritten()
+        s.tick(drain=True)
+        s.flush()
+        if not s.unwritten():
+            break
+        stalled = stalled + 1 if s.unwritten() >= left else 0
 
 
 def ssd_only(s: TieredStore) -> None:
