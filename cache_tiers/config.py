@@ -24,6 +24,15 @@ class CacheConfig:
     # step at most (a block at least), the rest in the steps after: the copy of a long hit is not
     # one step that everyone waits for. null: all of it in the step that finds it read.
     ssd_handover_ms: float | None = 20.0
+    # When new blocks go to the SSD: "through", as they are offered (a crash loses nothing finished);
+    # "idle", only while the engine runs no request (and as RAM evicts them, and at shutdown): the
+    # disk's host reads of a block never overlap a step. Why the choice: with "through" the H200
+    # served 18 % fewer tokens at 32 concurrent one-off prompts than with no SSD tier (session 20;
+    # on the CPU the two match), and the candidate cause is CUDA's own: MLX keeps arrays there in
+    # managed memory, which the writer's host reads migrate off the GPU (and a later RAM hit of the
+    # block back). A Mac's unified memory migrates nothing. "through" stays the default until a
+    # device run A/Bs the two (docs/accelerators.md, planned runs).
+    ssd_write: str = "through"
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
     quantize_min_tokens: int = 256
@@ -41,6 +50,8 @@ class CacheConfig:
                                                  or not isinstance(self.ssd_handover_ms, (int, float))
                                                  or self.ssd_handover_ms <= 0):
             raise ValueError("cache.ssd_handover_ms must be a number of milliseconds > 0, or null")
+        if self.ssd_write not in ("through", "idle"):
+            raise ValueError(f'cache.ssd_write must be "through" or "idle", got {self.ssd_write!r}')
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError("cache.quantize_bits must be 4, 8 or null")
         if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports

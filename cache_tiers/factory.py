@@ -58,4 +58,4 @@ def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | Non
     if config.quantize_bits is not None:
         quant = QuantPolicy(config.quantize_bits, config.quantize_group_size, config.quantize_min_tokens)
     return TieredStore(ram, ssd, config.block_size, config.min_restore_tokens, fingerprint=fingerprint,
-                       ssd_error=error, quant=quant)
+                       ssd_error=error, quant=quant, ssd_write=config.ssd_write)

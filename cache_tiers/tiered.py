@@ -93,7 +93,8 @@ TAILS_DUE_MAX = 64  # finished tails the SSD's writer had no room for, kept (lat
 
 class TieredStore:
     def __init__(self, ram: RamTier, ssd: SsdTier | None, block_size: int, min_restore_tokens: int,
-                 fingerprint: str = "", ssd_error: str | None = None, quant: QuantPolicy | None = None) -> None:
+                 fingerprint: str = "", ssd_error: str | None = None, quant: QuantPolicy | None = None,
+                 ssd_write: str = "through") -> None:
         self.ram = ram
         self.ssd = ssd
         self.block_size = block_size
@@ -101,6 +102,7 @@ class TieredStore:
         self.fingerprint = fingerprint
         self.ssd_error = ssd_error
         self.quant = quant
+        self.write_through = ssd_write == "through"  # else "idle": new blocks reach the SSD at `tick(drain=True)`
         self.totals = TierCounters()
         self.too_short = 0
         self.blocks_offered = 0  # new blocks cut from offers (what the store paid to copy)
@@ -363,8 +365,8 @@ class TieredStore:
     def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
         """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
         offer ends either its tail (RAM; and for a "finished" offer the SSD, under its last block) or,
-        on a block boundary, its exact state. Every block is written through once (it costs its own
-        bytes, never a conversation's)."""
+        on a block boundary, its exact state. Every block is written to the SSD once (it costs its own
+        bytes, never a conversation's): now, or with `cache.ssd_write: idle` once no request runs."""
         toks = np.asarray(tokens, dtype=np.int64)
         try:
             parts = blk.split(cache, len(toks))
@@ -384,8 +386,9 @@ class TieredStore:
         new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant)
         self.blocks_offered += len(new)
         seed = self._seed(salt)
+        through = self.ssd is not None and self.write_through
         for b in new:
-            queued = self.ssd.offer(b) if self.ssd is not None else False
+            queued = self.ssd.offer(b) if through else False
             if b.parent is not None:
                 self._tails_due.pop(b.parent, None)  # a block under it makes that tail stale
             if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
@@ -395,7 +398,7 @@ class TieredStore:
             self.ram.add_tail(tail, seed)
             # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
             # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.
-            if self.ssd is not None and k and not exact and kind == "finished" and not self.ssd.offer(tail):
+            if self.ssd is not None and k and not exact and kind == "finished" and not (through and self.ssd.offer(tail)):
                 self._tails_due[tail.parent] = tail  # written once the writer has room (`tick`)
                 self._tails_due.move_to_end(tail.parent)
                 while len(self._tails_due) > TAILS_DUE_MAX:
@@ -403,7 +406,7 @@ class TieredStore:
         elif exact:  # on a boundary: the exact state there, in both tiers
             state = blk.exact_state(parts, chain[k - 1])
             if state is not None and self.ram.state_at(chain[k - 1]) is None:
-                queued = self.ssd.offer(state) if self.ssd is not None else False
+                queued = self.ssd.offer(state) if through else False
                 if not self.ram.add_state(state, persisted=queued) and self.ssd is not None and not queued:
                     self._demote(state, False)
 
@@ -420,13 +423,14 @@ class TieredStore:
         (15,000 tokens: 235 blocks of 64). Those RAM keeps as not written; without this they reached
         the disk only when RAM evicted them, and a restart lost them: the SSD hit then stopped at
         the first missing block (4,096 of 15,000 tokens on the H200). Oldest first, so a chain is
-        written root to leaf, as many a step as the writer has room for."""
+        written root to leaf, as many a step as the writer has room for. With `cache.ssd_write:
+        idle` this catching up is all the writing there is, and only with `drain` (no request runs)."""
         if self.ssd is None:
             return
         if drain:  # idle: what is offered now is handed over at once
             self._catch_up()
         self.ssd.tick(drain)
-        if not drain:  # offered now, handed over a step later (its copies computed by then)
+        if not drain and self.write_through:  # offered now, handed over a step later (computed by then)
             self._catch_up()
 
     def _catch_up(self) -> None:

@@ -29,6 +29,9 @@ from engine.types import (ContextLengthError, EngineClosedError, FinishReason, I
 log = logging.getLogger("pomona.engine")
 
 IDLE_WAIT_S = 0.5
+# Idle with SSD writes still to hand over (more than the writer's backlog takes at once): the loop
+# comes back this soon to hand over the next ones as the writer drains.
+WRITE_WAIT_S = 0.02
 CLOSED = "The server is shutting down; retry on another replica."
 STATS_EVERY_S = 0.25
 
@@ -286,7 +289,8 @@ class AsyncEngine:
         times = self._times
         while True:
             # Idle, or only waiting for SSD reads (their end posts a "wake"): block on commands.
-            handled = self._handle_commands(engine, block=not engine.has_work() or engine.waiting_on_loads())
+            wait = IDLE_WAIT_S if not engine.store.unwritten() else WRITE_WAIT_S
+            handled = self._handle_commands(engine, block=not engine.has_work() or engine.waiting_on_loads(), wait=wait)
             if handled is None:
                 break
             t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -344,10 +348,11 @@ class AsyncEngine:
             while engine.has_work():
                 engine.step()
 
-    def _handle_commands(self, engine: Engine, block: bool) -> int | None:
-        """Handle queued commands; returns how many, or None when told to stop."""
+    def _handle_commands(self, engine: Engine, block: bool, wait: float = IDLE_WAIT_S) -> int | None:
+        """Handle queued commands (waiting up to `wait` s for one if `block`); returns how many, or
+        None when told to stop."""
         try:
-            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait) if block else self._commands.get_nowait()
         except queue.Empty:
             return 0
         handled = 0

@@ -44,8 +44,9 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false), and
 # "pomona-inproc", Pomona with the engine inside the replica's process (engine_process: false), and
 # "pomona-mlxlm", Pomona on mlx-lm's BatchGenerator instead of its own engine step (engine_step: mlx_lm), and
-# "pomona-set:KEY=VALUE", Pomona with one engine setting replaced (VALUE read as YAML), to A/B a
-# default in one run (e.g. pomona,pomona-set:mlx_cache_limit=null).
+# "pomona-set:KEY=VALUE", Pomona with one engine setting replaced (VALUE read as YAML; a dotted KEY
+# names one inside a block, e.g. cache.ssd_write), to A/B a default in one run
+# (e.g. pomona,pomona-set:mlx_cache_limit=null).
 SET_PREFIX = "pomona-set:"
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
@@ -61,8 +62,12 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
         key, sep, value = name[len(SET_PREFIX):].partition("=")
         if not sep or not key:
             raise ValueError(f"{name!r}: write {SET_PREFIX}KEY=VALUE (an engine setting)")
-        engine = {"max_running": max_batch} if max_batch else {}
-        engine[key] = yaml.safe_load(value)
+        engine: dict = {"max_running": max_batch} if max_batch else {}
+        *outer, last = key.split(".")  # cache.ssd_write=idle: a setting inside engine.cache
+        inner = engine
+        for part in outer:
+            inner = inner.setdefault(part, {})
+        inner[last] = yaml.safe_load(value)
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine,
                              name=name.replace(":", "-").replace("=", "-"))
     if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",

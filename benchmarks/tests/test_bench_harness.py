@@ -118,7 +118,8 @@ def test_a_set_spec_replaces_one_engine_setting_and_keeps_the_rest(tmp_path: Pat
     from benchmarks.harness.side_by_side import make_spec
 
     engines = {}
-    for name in ("pomona", "pomona-set:prefill_chunk=512", "pomona-set:checkpoint_every=null"):
+    for name in ("pomona", "pomona-set:prefill_chunk=512", "pomona-set:checkpoint_every=null",
+                 "pomona-set:cache.ssd_write=idle"):
         spec = make_spec(name, tmp_path / "model", 18000, tmp_path)
         app = yaml.safe_load((tmp_path / f"{spec.name}_serve_config.yaml").read_text())["applications"][0]
         engine = app["args"]["engine"]
@@ -126,6 +127,8 @@ def test_a_set_spec_replaces_one_engine_setting_and_keeps_the_rest(tmp_path: Pat
         engines[name] = engine
     assert engines["pomona-set:prefill_chunk=512"] == {**engines["pomona"], "prefill_chunk": 512}
     assert engines["pomona-set:checkpoint_every=null"] == {**engines["pomona"], "checkpoint_every": None}
+    assert engines["pomona-set:cache.ssd_write=idle"] == {  # a dotted key: one setting inside the block
+        **engines["pomona"], "cache": {**engines["pomona"]["cache"], "ssd_write": "idle"}}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         make_spec("pomona-set:prefill_chunk", tmp_path / "model", 18000, tmp_path)
 

@@ -10,7 +10,7 @@ import sqlite3
 import diskcache
 import mlx.core as mx
 import pytest
-from test_cache_support import (BLOCK, FlakyStorage, bkey, entry_bytes, kv_cache, same_kv, settle, ssd_only, store,
+from test_cache_support import (BLOCK, FlakyStorage, bkey, entry_bytes, kv_cache, kv_for, same_kv, settle, ssd_only, store,
                                 toks)
 
 import cache_tiers.keys as keys
@@ -374,3 +374,31 @@ def test_shrinking_ram_budget_demotes(tmp_path):
     assert s.lookup(toks(70)).tier == "ram"  # the recent one stayed
     assert s.lookup(toks(70, 500)).tier == "ssd"  # the other was demoted
     s.close()
+
+
+def test_idle_writes_leave_the_ssd_alone_until_no_request_runs(tmp_path):
+    """`cache.ssd_write: idle`: an offer and the steps after it write nothing; the idle engine's
+    `tick(drain=True)` writes the blocks and a finished request's tail; close writes the rest."""
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=storage, ssd_write="idle")
+    s.offer(toks(100), kv_for(toks(100)), "finished")  # 6 blocks and a 4-token tail
+    for _ in range(3):
+        s.tick()
+    s.flush()
+    assert s.stats()["ssd"]["writes"] == 0 and s.unwritten() == 6 + 1
+    assert s.stats()["ssd"]["write_drops"] == 0  # not offered is not dropped
+    settle(s)  # ticks with drain, as an idle engine does
+    assert s.stats()["ssd"]["writes"] == 7 and s.unwritten() == 0
+    s.offer(toks(120), kv_for(toks(120)), "finished")  # the next turn: one block and its tail, at close
+    s.close()
+    again = store(tmp_path=None, storage=FlakyStorage(str(tmp_path / "ssd")))
+    hit = again.lookup(toks(120) + [5])
+    assert hit.tier == "ssd" and hit.num_tokens == 120 and same_kv(hit.cache, kv_for(toks(120)), 120)
+    again.close()
+
+
+def test_ssd_write_is_through_or_idle():
+    from cache_tiers.config import CacheConfig
+
+    with pytest.raises(ValueError, match="ssd_write"):
+        CacheConfig(ssd_write="later")

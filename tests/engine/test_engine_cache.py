@@ -278,3 +278,27 @@ def test_a_long_ssd_hit_is_handed_over_across_steps_while_others_run(tiny_model_
         assert len(calls) == 1 and calls[0][1] and calls[0][2] > 2  # nobody to wait: all at once
     finally:
         run(eng.shutdown())
+
+
+def test_an_idle_engine_writes_what_the_ssd_backlog_could_not_take_on_its_own(tiny_model_dir, tmp_path):
+    """A prompt of more blocks than the SSD writer's backlog takes: the blocks left over reach the
+    disk while the engine idles, with no request and no flush to drive it (the loop comes back
+    every `WRITE_WAIT_S` while some are left); `ssd_write: idle` writes all of them only then."""
+    import time
+
+    for policy in ("through", "idle"):
+        config = cache_config(tmp_path / policy, write_queue=2, ssd_write=policy)
+        eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+        try:
+            prompt = LONG * 3  # ~40 blocks of 16 tokens
+            blocks = len(eng.tokenizer.encode(prompt)) // 16
+            run(collect(eng, request(eng, prompt, max_tokens=2)))
+            deadline = time.monotonic() + 5  # at the plain idle wait (0.5 s) ~20 rounds take 10 s
+            while time.monotonic() < deadline:  # the engine's own idle ticks; stats are read, not driven
+                time.sleep(0.25)
+                written = eng.stats()["cache"]["ssd"]["writes"]
+                if written >= blocks:
+                    break
+            assert written >= blocks, (policy, written, blocks)
+        finally:
+            run(eng.shutdown())
