@@ -4,6 +4,8 @@
 #   bash benchmarks/device/device_http.sh probe,1b,smollm2     # any of them, in that order
 #
 # probe:   benchmarks/device/token_path.py (no model): Serve's token path, pacing off / 1000 / 2000 items/s.
+# hostreads: benchmarks/device/host_reads.py (no model, ~30 s): whether host reads of blocks (the SSD writer's)
+#          slow the GPU's later work on them, or beside them (CUDA's managed memory). $OUT/host_reads.log.
 # engine:  benchmarks/engine/engine_loop.py on the 1B model at 32 and 128 concurrent, with and without the SSD tier
 #          (ENGINE_FLAGS: comma-separated variants, default ",--no-ssd"; e.g. "--no-ssd,--no-ssd --burn 4";
 #          "--burn 8 --cpus @ENGINE_CPUS@ --burn-cpus @BURN_CPUS@": the engine on two physical cores, burners elsewhere).
@@ -95,6 +97,10 @@ for what in ${1//,/ }; do
       timeout "${PROBE_TIMEOUT:-240}" python3 -m benchmarks.device.token_path --pacing 0,1000,2000 --streams 1,8,32,128 \
         --tokens 256 --num-cpus 16 --json "$OUTDIR/token_path.json" 2>"/tmp/token_path.stderr"
       tail -c 1500 /tmp/token_path.stderr ;;
+    hostreads)
+      timeout "${HOSTREADS_TIMEOUT:-150}" python3 -m benchmarks.device.host_reads >"$OUTDIR/host_reads.log" \
+        2>/tmp/host_reads.stderr || tail -c 1500 /tmp/host_reads.stderr
+      grep -v '^{' "$OUTDIR/host_reads.log" ;;
     engine)
       [ -d /tmp/models/1b ] || python3 -m benchmarks.device.device_serve_model 1b /tmp/models/1b >/dev/null
       IFS=',' read -ra variants <<< "${ENGINE_FLAGS-,--no-ssd}"

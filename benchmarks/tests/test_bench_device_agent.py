@@ -153,3 +153,16 @@ def test_device_model_context_fits_the_agent_trace(tmp_path: Path) -> None:
     tok, count = token_counter(model)
     prompts = expected_prompt_tokens(tok, build_trace(count))
     assert prompts[-1] > 4096 and prompts[-1] + 32 <= CONTEXT
+
+
+def test_host_reads_probe_measures_each_part_both_ways() -> None:
+    """benchmarks/device/host_reads.py (the SSD tier's cost on CUDA): each part times the same work on
+    untouched and host-read blocks and reports their ratio; the CPU, with nothing to migrate, is its
+    dry run."""
+    from benchmarks.device import host_reads
+
+    out = host_reads.run(blocks=2, block_mb=0.05, rounds=2, iters=3)
+    for part in ("gather", "recycled", "overlap"):
+        row = out[part]
+        assert row["untouched_ms"] > 0 and row["host_read_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["host_read_ms"] / row["untouched_ms"], rel=0.01)
