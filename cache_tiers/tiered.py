@@ -420,7 +420,7 @@ class TieredStore:
 
         Why the second part: the backlog is bounded (`cache.write_queue` rows, 1 GiB) so that host
         copies waiting for the disk never pile up, and one long prompt has more blocks than that
-        (15,000 tokens: 235 blocks of 64). Those RAM keeps as not written; without this they reached
+        (15,000 tokens: 234 blocks of 64). Those RAM keeps as not written; without this they reached
         the disk only when RAM evicted them, and a restart lost them: the SSD hit then stopped at
         the first missing block (4,096 of 15,000 tokens on the H200). Oldest first, so a chain is
         written root to leaf, as many a step as the writer has room for. With `cache.ssd_write:

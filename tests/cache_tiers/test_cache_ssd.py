@@ -258,7 +258,7 @@ def test_write_queue_drops_counted_and_written_once_the_writer_has_room(tmp_path
 
 def test_a_prompt_longer_than_the_backlog_is_written_root_to_leaf_as_steps_go(tmp_path):
     """One long prompt has more blocks than the writer's backlog takes (a 15,000-token agent prompt:
-    235 blocks of 64, against `write_queue: 64`): each engine step offers the oldest blocks RAM
+    234 blocks of 64, against `write_queue: 64`): each engine step offers the oldest blocks RAM
     has not written, as many as the backlog has room for, and a restart then serves all of it."""
     storage = FlakyStorage(str(tmp_path / "ssd"))
     s = store(storage=storage, write_queue=3)
