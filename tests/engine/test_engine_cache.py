@@ -302,3 +302,19 @@ def test_an_idle_engine_writes_what_the_ssd_backlog_could_not_take_on_its_own(ti
             assert written >= blocks, (policy, written, blocks)
         finally:
             run(eng.shutdown())
+
+
+def test_a_cache_flush_returns_once_everything_ram_holds_is_on_disk(tiny_model_dir, tmp_path):
+    """`/admin/cache/flush` (AsyncEngine.flush_cache) with more blocks than the writer's backlog
+    takes: it hands them over as the writer drains and returns once none are left."""
+    config = cache_config(tmp_path, write_queue=2, ssd_write="idle")
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    try:
+        prompt = LONG * 3
+        blocks = len(eng.tokenizer.encode(prompt)) // 16
+        run(collect(eng, request(eng, prompt, max_tokens=2)))
+        stats = run(eng.flush_cache())
+        assert stats["ssd"]["writes"] >= blocks and stats["ssd"]["queued"] == 0
+        assert run(eng.call(lambda e: e.store.unwritten())) == 0
+    finally:
+        run(eng.shutdown())
