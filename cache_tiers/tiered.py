@@ -88,6 +88,9 @@ class Prefetch:
 
 
 LANDED_MAX = 1024  # prefetched runs remembered until their restore (an aborted request's never comes)
+# At shutdown, RAM's unwritten blocks are written for at most this long: Serve kills a replica
+# `drain_s + 30` s after asking it to stop, and the engine's thread is waited for 30 s.
+CLOSE_WRITE_S = 20.0
 TAILS_DUE_MAX = 64  # finished tails the SSD's writer had no room for, kept (latest per block) until it has
 
 
@@ -500,16 +503,21 @@ class TieredStore:
         if self.ssd is not None:
             self.ssd.flush()
 
-    def close(self) -> None:
-        """Write what only RAM holds to the SSD, flush, and stop the writer (and the reader)."""
+    def close(self, budget_s: float = CLOSE_WRITE_S) -> None:
+        """Write what only RAM holds to the SSD (for up to `budget_s`: a shutdown must end before
+        whoever stops the process gives up waiting), flush, and stop the writer (and the reader)."""
         if self._reader_pool is not None:
             self._reader_pool.shutdown(wait=True, cancel_futures=True)
         if self.ssd is None:
             return
-        stalled = 0  # everything RAM holds that the disk lacks, as the writer makes room
-        while self.unwritten() and stalled < 2:  # (twice no progress: the writer stopped)
+        # Until nothing is left, the budget is spent, or twice no progress (the writer stopped).
+        stalled, deadline = 0, time.monotonic() + budget_s
+        while self.unwritten() and stalled < 2 and time.monotonic() < deadline:
             before = self.unwritten()
             self.tick(drain=True)
             self.ssd.flush()
             stalled = stalled + 1 if self.unwritten() >= before else 0
+        if self.unwritten():
+            log.warning("prefix cache: %d blocks held in RAM only were not written to the SSD at shutdown "
+                        "(the writer stopped, or %.0f s ran out)", self.unwritten(), budget_s)
         self.ssd.close()

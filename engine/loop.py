@@ -274,6 +274,8 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         self._commands.put(("stop", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        if self._thread.is_alive():  # the process may end under it: say so rather than nothing
+            log.warning("the engine's MLX thread did not stop within 30 s of the shutdown")
 
     # -- the MLX thread -----------------------------------------------------------------------
     def _run(self) -> None:

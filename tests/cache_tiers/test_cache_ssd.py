@@ -402,3 +402,20 @@ def test_ssd_write_is_through_or_idle():
 
     with pytest.raises(ValueError, match="ssd_write"):
         CacheConfig(ssd_write="later")
+
+
+def test_close_writes_for_its_budget_at_most_and_says_what_is_left(tmp_path, caplog):
+    """A shutdown must end before whoever stops the process gives up waiting: with the writer
+    stalled, close stops after its budget and logs the blocks it could not write."""
+    storage = FlakyStorage(str(tmp_path / "ssd"))
+    storage.gate.clear()  # the writer blocks on its first write
+    s = store(storage=storage, write_queue=2)
+    s.offer(toks(164), kv_cache(164), "finished")
+    import threading
+
+    threading.Timer(1.0, storage.gate.set).start()  # the writer goes on once close's budget is spent
+    with caplog.at_level("WARNING"):
+        s.close(budget_s=0.3)
+    written = sum(storage.contains(bkey(toks(164), k)) for k in range(10))
+    assert 0 < written < 10  # the first hand-over's, not the rest: close stopped at its budget
+    assert "blocks held in RAM only were not written to the SSD at shutdown" in caplog.text
