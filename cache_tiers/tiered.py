@@ -492,7 +492,7 @@ class TieredStore:
                                              bytes=self.ram.nbytes, budget_bytes=self.ram.budget),
         }
         if self.ssd is not None:
-            out["ssd"] = self.ssd.stats()
+            out["ssd"] = {**self.ssd.stats(), "unwritten": self.unwritten()}  # RAM's, not on disk yet
         else:
             out["ssd"] = {"enabled": False, "error": self.ssd_error}
         return out
