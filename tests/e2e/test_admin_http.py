@@ -101,6 +101,7 @@ def test_cache_stats_flush_and_clear_each_tier(base, client):
     assert flushed["replicas_reached"] == flushed["replicas_expected"] == 1
     stats = flushed["data"][0]["cache"]
     assert stats["ram"]["entries"] >= 1 and stats["ssd"]["writes"] >= 1 and stats["ssd"]["keys"] > 0
+    assert stats["ssd"]["unwritten"] == 0  # a flush leaves nothing in RAM alone
     assert complete(client, prompt).usage.prompt_tokens_details.cached_tokens > 0
 
     after_ram = admin(base, "cache/clear", KEY, method="POST", tier="ram")["data"][0]["cache"]
