@@ -30,6 +30,10 @@
 #          32 requests, 4 concurrent) and multi-turn (4 conversations x 8 turns), both servers one after the
 #          other, one untimed warm pass at 1 and 4 first. ~150 s; REUSE_TIMEOUT (240 s).
 #          $OUT/reuse-<shape>.json, $OUT/logs-reuse.tgz.
+# prefixpart: benchmarks/engine/prefix_part.py: the reuse part's prefix workload through the engine in process, each
+#          warm request's TTFT split by the step log (to admission, the admitting step, the steps after it);
+#          PREFIXPART_VARIANTS (space-separated NAME:KEY=VALUE,... engine settings; default "default:").
+#          ~30 s a variant; PREFIXPART_TIMEOUT (240 s). $OUT/prefixpart.log.
 # ssd:     benchmarks/engine/ssd_growth.py, Pomona alone: SSD bytes left by one conversation growing ~250 tokens a
 #          turn for 8 turns over its final KV size (/admin/cache's ssd.bytes), then the chunk gaps of 4
 #          decoding streams while a 15k-token turn is prefilled and persisted. ~100 s; SSD_TIMEOUT (210 s),
@@ -170,6 +174,12 @@ for what in ${1//,/ }; do
       cp "$run/results.json" "$OUTDIR/reuse-$SHAPE.json" 2>/dev/null
       tar -czf "$OUTDIR/logs-reuse.tgz" -C "$run" logs
       python3 -m benchmarks.device.device_goals --shape "$SHAPE" --reuse "$OUTDIR/reuse-$SHAPE.json" --only-given ;;
+    prefixpart)
+      M=$(agent_model) || { echo "[prefixpart] could not build the $SHAPE model"; continue; }
+      vflags=(); for v in ${PREFIXPART_VARIANTS:-default:}; do vflags+=(--variant "$v"); done
+      bounded "${PREFIXPART_TIMEOUT:-240}" python3 -m benchmarks.engine.prefix_part "$M" "${vflags[@]}" \
+        >"$OUTDIR/prefixpart.log" 2>/tmp/prefixpart.stderr || tail -c 2000 /tmp/prefixpart.stderr
+      grep -v '^{' "$OUTDIR/prefixpart.log" ;;
     ssd)
       M=$(agent_model) || { echo "[ssd] could not build the $SHAPE model"; continue; }
       run=/tmp/ssd-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
