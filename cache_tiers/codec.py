@@ -65,7 +65,21 @@ class Prepared:
         return sum(int(a.nbytes) for a in self.arrays.values())
 
 
-def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str]) -> str:
+_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def private_copy(a: mx.array) -> mx.array:
+    """A bit-exact copy of `a` in a buffer of its own (an integer add of 0 on its bits: no float
+    rounding, NaN payloads kept). See `prepare_block`'s `private`."""
+    bits = _BITS[a.itemsize]
+    if a.dtype == bits:
+        return a + 0
+    return mx.view(mx.view(a, bits) + 0, a.dtype)
+
+
+def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str], private: bool = False) -> str:
+    if isinstance(a, mx.array) and private:
+        a = private_copy(a)
     if isinstance(a, mx.array) and a.dtype == mx.bfloat16:  # numpy has no bfloat16: ship the bits
         a = mx.view(a, mx.uint16)
         bf16.append(name)
@@ -73,14 +87,14 @@ def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str]) -> str:
     return name
 
 
-def _layout(tree: Any, prefix: str, arrays: dict[str, Any], bf16: list[str]) -> dict[str, Any]:
+def _layout(tree: Any, prefix: str, arrays: dict[str, Any], bf16: list[str], private: bool) -> dict[str, Any]:
     """A JSON-able description of a state tree; arrays go to `arrays` under `prefix.k` names.
     Lists and tuples stay apart: mlx-lm's `from_state` setters rely on which is which (an
     `ArraysCache` assigns into its list)."""
     if isinstance(tree, mx.array):
-        return {"a": _name(tree, f"{prefix}.{len(arrays)}", arrays, bf16)}
+        return {"a": _name(tree, f"{prefix}.{len(arrays)}", arrays, bf16, private)}
     if isinstance(tree, (list, tuple)):
-        return {"l" if isinstance(tree, list) else "t": [_layout(t, prefix, arrays, bf16) for t in tree]}
+        return {"l" if isinstance(tree, list) else "t": [_layout(t, prefix, arrays, bf16, private) for t in tree]}
     return {"s": tree}
 
 
@@ -89,41 +103,51 @@ def _started(arrays: dict[str, Any], meta: dict[str, Any]) -> Prepared:
     return Prepared(arrays, meta)
 
 
-def prepare_block(block: Block) -> Prepared:
-    """MLX thread: a block's arrays named for storage, started, not waited for."""
+def prepare_block(block: Block, private: bool = False) -> Prepared:
+    """MLX thread: a block's arrays named for storage, started, not waited for.
+
+    `private`: the arrays the writer reads are copies, not the block's own. Why: on MLX's CUDA
+    backend a host read of an array (`to_host`: numpy's view of it) moves its buffer out of device
+    memory into managed memory for good, so every later GPU read of the block (a RAM hit's
+    restore) pulls its pages back over the bus, and its buffer, once freed, is handed to new
+    arrays the GPU writes with the same cost (benchmarks/device/host_reads.py on the H200: a
+    restore of host-read blocks 22x slower, new arrays in their buffers 23x). The copies take that
+    instead; `SsdTier` frees them where the engine's allocations cannot get their buffers."""
     arrays: dict[str, Any] = {"tokens": block.tokens}
     bf16: list[str] = []
     for g, x in enumerate(block.arrays):
         if block.quant is None:
-            _name(x, f"g{g}", arrays, bf16)
+            _name(x, f"g{g}", arrays, bf16, private)
         else:
             for part, name in zip(x, ("q", "s", "b")):
-                _name(part, f"g{g}.{name}", arrays, bf16)
+                _name(part, f"g{g}.{name}", arrays, bf16, private)
     meta = {"version": keys.FORMAT_VERSION, "kind": "block", "digest": block.digest.hex(),
             "parent": None if block.parent is None else block.parent.hex(), "layout": block.layout.as_json(),
             "quant": None if block.quant is None else list(block.quant), "bf16": bf16}
     return _started(arrays, meta)
 
 
-def prepare_tail(tail: Tail) -> Prepared:
+def prepare_tail(tail: Tail, private: bool = False) -> Prepared:
     """MLX thread: a KV tail's arrays (the tokens past its parent block, never quantized) named for
-    storage under its parent, started, not waited for. Tails with an exact state are not stored."""
+    storage under its parent, started, not waited for. Tails with an exact state are not stored.
+    `private`: as `prepare_block`'s."""
     if tail.parent is None or tail.state is not None:
         raise ValueError("only a KV tail under a block is stored")
     arrays: dict[str, Any] = {"tokens": tail.tokens}
     bf16: list[str] = []
     for g, x in enumerate(tail.arrays):
-        _name(x, f"g{g}", arrays, bf16)
+        _name(x, f"g{g}", arrays, bf16, private)
     meta = {"version": keys.FORMAT_VERSION, "kind": "tail", "digest": tail.parent.hex(), "parent": tail.parent.hex(),
             "layout": tail.layout.as_json(), "quant": None, "bf16": bf16}
     return _started(arrays, meta)
 
 
-def prepare_state(state: ExactState) -> Prepared:
-    """MLX thread: an exact state's arrays named for storage, started, not waited for."""
+def prepare_state(state: ExactState, private: bool = False) -> Prepared:
+    """MLX thread: an exact state's arrays named for storage, started, not waited for.
+    `private`: as `prepare_block`'s."""
     arrays: dict[str, Any] = {}
     bf16: list[str] = []
-    layers = [{"index": i, "cls": layer.cls, "state": _layout(layer.slots, str(i), arrays, bf16)}
+    layers = [{"index": i, "cls": layer.cls, "state": _layout(layer.slots, str(i), arrays, bf16, private)}
               for i, layer in state.layers]
     meta = {"version": keys.FORMAT_VERSION, "kind": "state", "digest": state.digest.hex(),
             "num_tokens": state.num_tokens, "num_layers": state.num_layers, "layers": layers, "bf16": bf16}

@@ -33,6 +33,10 @@ class CacheConfig:
     # block back). A Mac's unified memory migrates nothing. "through" stays the default until a
     # device run A/Bs the two (docs/accelerators.md, planned runs).
     ssd_write: str = "through"
+    # The SSD writer reads private copies of new rows, not the arrays RAM keeps: "auto" on MLX's CUDA
+    # backend only, where a host read moves an array out of device memory for good and a later RAM
+    # hit of it paid 22x (cache_tiers/ssd.py, benchmarks/device/host_reads.py); true / false to force.
+    host_copies: bool | str = "auto"
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
     quantize_min_tokens: int = 256
@@ -52,6 +56,8 @@ class CacheConfig:
             raise ValueError("cache.ssd_handover_ms must be a number of milliseconds > 0, or null")
         if self.ssd_write not in ("through", "idle"):
             raise ValueError(f'cache.ssd_write must be "through" or "idle", got {self.ssd_write!r}')
+        if self.host_copies not in (True, False, "auto"):
+            raise ValueError(f'cache.host_copies must be true, false or "auto", got {self.host_copies!r}')
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError("cache.quantize_bits must be 4, 8 or null")
         if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports

@@ -34,8 +34,11 @@ def ram_budget(config: CacheConfig, total_memory: int | None = None) -> int:
 
 
 def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | None = None,
-                total_memory: int | None = None, queue_bytes: int = 2**30) -> PrefixStore:
+                total_memory: int | None = None, queue_bytes: int = 2**30, host_copies: bool = False) -> PrefixStore:
     """A tiered store for one model (`fingerprint`: modelio names the weights, config and dtype).
+
+    `host_copies`: what `config.host_copies` "auto" means here (true on MLX's CUDA backend, where a
+    host read moves an array out of device memory: ssd.py says why).
 
     `storage` replaces the diskcache directory (tests inject failures through it). An SSD
     directory that cannot be opened (read-only, missing mount) does not stop the engine: the
@@ -52,7 +55,8 @@ def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | Non
             error = f"{type(e).__name__}: {e}"
             log.warning("prefix cache: SSD tier disabled, cannot open %s: %s", config.ssd_dir, e)
     if storage is not None:
-        ssd = SsdTier(storage, fingerprint, config.block_size, config.write_queue, queue_bytes)
+        copies = host_copies if config.host_copies == "auto" else bool(config.host_copies)
+        ssd = SsdTier(storage, fingerprint, config.block_size, config.write_queue, queue_bytes, copies)
     ram = RamTier(ram_budget(config, total_memory))
     quant = None
     if config.quantize_bits is not None:

@@ -20,6 +20,14 @@ names the new rows' arrays and starts them (`codec.prepare_*`); `tick`, once per
 hands the rows offered before the previous step to the writer as numpy views (their arrays are
 computed by then: no wait), so no offer makes a step wait for the device or the disk. The writer
 thread serializes (`codec.encode`) and calls `Storage`; it never calls MLX.
+
+Host copies (`host_copies`, MLX's CUDA backend). There a host read moves an array's buffer into
+managed memory for good, which a later GPU read or write pays for (codec.prepare_block says how
+much); so the writer reads private copies, and the MLX thread keeps each copy until its row is
+written, then frees the written ones together and empties MLX's buffer cache at once
+(`_release`), so that no buffer a host read moved is handed to the engine's next arrays. That is
+done when RELEASE_BYTES of copies are written, and whenever the engine is idle. A Mac's unified
+memory (and the CPU) has nothing to move: there the writer reads the blocks' own arrays.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from . import codec
@@ -44,6 +53,10 @@ log = logging.getLogger(__name__)
 # State keys asked for below the longest block run, at most: with checkpoints every 1,024 tokens
 # and 64-token blocks one lies within 16 blocks; this bounds a probe over a long chain.
 EXACT_PROBES = 64
+# Written host copies (`host_copies`) are freed together once this many bytes of them are held:
+# each release empties MLX's buffer cache, which the next steps fill again, so it is kept rare (at
+# ~300 MB/s of new KV, a 1B model's 128 streams on the H200, about once a second).
+RELEASE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -61,11 +74,12 @@ class _Write:
     entry: codec.HostEntry
     replace: bool = False
     supersedes: str | None = None
+    seq: int = 0  # handed over in this order; the writer's `_done` says how far it got
 
 
 class SsdTier:
     def __init__(self, storage: Storage, fingerprint: str, block_size: int,
-                 queue_items: int = 4096, queue_bytes: int = 2**30) -> None:
+                 queue_items: int = 4096, queue_bytes: int = 2**30, host_copies: bool = False) -> None:
         self.storage = storage
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -82,6 +96,13 @@ class SsdTier:
         self._pending: deque[_Pending] = deque()
         self._tick = 0
         self._queue: queue.Queue[_Write | None] = queue.Queue()
+        self.host_copies = host_copies
+        self._seq = 0  # the last write handed over
+        self._done = 0  # the last write the writer finished (it writes in order)
+        self._held: deque[tuple[int, codec.Prepared]] = deque()  # host copies, until written
+        self._written = 0  # the leading held copies whose rows are written, and their bytes
+        self._written_bytes = 0
+        self.releases = 0  # times written host copies were freed (and MLX's buffer cache emptied)
         self._writer = threading.Thread(target=self._write_loop, name="pomona-ssd-writer", daemon=True)
         self._writer.start()
 
@@ -108,10 +129,13 @@ class SsdTier:
         conversation went another way)."""
         if not self.writes_enabled:
             return False
+        private = self.host_copies
         if isinstance(item, Tail):
-            prepared = codec.prepare_tail(item)
+            prepared = codec.prepare_tail(item, private)
+        elif isinstance(item, Block):
+            prepared = codec.prepare_block(item, private)
         else:
-            prepared = codec.prepare_block(item) if isinstance(item, Block) else codec.prepare_state(item)
+            prepared = codec.prepare_state(item, private)
         size = prepared.nbytes
         with self._lock:
             backlog = len(self._pending) + self._queue.qsize()
@@ -136,8 +160,35 @@ class SsdTier:
         are computed by now); with `drain`, everything (an idle engine, close)."""
         while self._pending and (drain or self._pending[0].tick < self._tick):
             item = self._pending.popleft()
-            self._queue.put(_Write(item.key, codec.to_host(item.prepared), item.replace, item.supersedes))
+            self._seq += 1
+            if self.host_copies:
+                self._held.append((self._seq, item.prepared))
+            self._queue.put(_Write(item.key, codec.to_host(item.prepared), item.replace, item.supersedes, self._seq))
         self._tick += 1
+        if self._held:
+            self._release(everything=drain)
+
+    def _release(self, everything: bool) -> None:
+        """Free the host copies whose rows are written, once RELEASE_BYTES of them wait (or with
+        `everything`, any), and empty MLX's buffer cache right after: their buffers (moved to
+        managed memory by the host read) must not be handed to the engine's next arrays."""
+        done = self._done
+        # The leading copies known written are counted once (a step looks at the new ones only).
+        while self._written < len(self._held) and self._held[self._written][0] <= done:
+            self._written_bytes += self._held[self._written][1].nbytes
+            self._written += 1
+        if not self._written or (not everything and self._written_bytes < RELEASE_BYTES):
+            return
+        for _ in range(self._written):
+            self._held.popleft()
+        self._written, self._written_bytes = 0, 0
+        mx.clear_cache()
+        self.releases += 1
+
+    @property
+    def held_copies(self) -> int:
+        """Host copies kept until their rows are written and released (`host_copies`)."""
+        return len(self._held)
 
     def probe(self, chain: Sequence[bytes], lo: int, exact: bool | None, floor: int) -> tuple[int, int]:
         """(how far a run of blocks reaches along the chain when the SSD continues one held up to
@@ -313,6 +364,8 @@ class SsdTier:
             self._queue.put(None)
             self._writer.join()
             self.storage.close()
+        if self._held:
+            self._release(everything=True)
 
     @property
     def backlog(self) -> int:
@@ -323,15 +376,20 @@ class SsdTier:
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            seq = item.seq
             try:
-                if item is None:
-                    return
                 if self.writes_enabled:
                     self._write(item)
             finally:
-                if item is not None:
-                    with self._lock:
-                        self._pending_bytes -= item.entry.nbytes
+                with self._lock:
+                    self._pending_bytes -= item.entry.nbytes
+                # The entry's numpy views go here, before `_done` says so: the MLX thread frees the
+                # arrays under them (host copies) only after, on its own thread (`_release`).
+                del item
+                self._done = seq
                 self._queue.task_done()
 
     def _write(self, item: _Write) -> None:

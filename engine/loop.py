@@ -64,8 +64,9 @@ def default_store(config: EngineConfig, loaded: Loaded) -> PrefixStore:
     if not config.cache.enabled:
         return NullStore()
     from cache_tiers.factory import build_store
+    from engine.mlx_settings import cuda_backend
 
-    return build_store(config.cache, loaded.fingerprint)
+    return build_store(config.cache, loaded.fingerprint, host_copies=cuda_backend())
 
 
 class _Stream:

@@ -37,20 +37,31 @@ class StepLog:
     """Every engine step's (start, end, running rows, requests it admitted), appended on the MLX thread."""
 
     steps: list[tuple[float, float, int, tuple[str, ...]]] = field(default_factory=list)
+    runs: list[float] = field(default_factory=list)  # per step, the seconds of its batch's run (Engine.run)
 
     def wrap(self, engine: Any) -> None:
-        step = engine.step
+        step, run = engine.step, engine.run
+        took = [0.0]
+
+        def timed_run() -> Any:
+            t = time.perf_counter()
+            try:
+                return run()
+            finally:
+                took[0] = time.perf_counter() - t
 
         def logged() -> Any:
             waiting = {rid for rid, seq in engine.seqs.items() if seq.admitted_at is None}
+            took[0] = 0.0
             t0 = time.perf_counter()
             events = step()
             t1 = time.perf_counter()
             admitted = tuple(rid for rid in waiting if rid in engine.seqs and engine.seqs[rid].admitted_at is not None)
             self.steps.append((t0, t1, len(engine.runner), admitted))
+            self.runs.append(took[0])
             return events
 
-        engine.step = logged
+        engine.step, engine.run = logged, timed_run
 
 
 def timed_engine(config: Any, log: StepLog) -> Any:
@@ -84,9 +95,11 @@ async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) ->
     return {"id": rid, "sent": sent, "first": first or time.perf_counter(), "cached": cached, "prompt": len(tokens)}
 
 
-def timeline(req: dict[str, Any], steps: Sequence[tuple[float, float, int, tuple[str, ...]]]) -> dict[str, float]:
+def timeline(req: dict[str, Any], steps: Sequence[tuple[float, float, int, tuple[str, ...]]],
+             runs: Sequence[float] = ()) -> dict[str, float]:
     """One request's TTFT split by the step log: until its admitting step began (the step running when
-    it arrived, and any it waited through), that step, and the steps after it until its first token."""
+    it arrived, and any it waited through), that step (`admit_run_ms` of it the batch's run, the rest
+    scheduling and admitting: the prefix restore), and the steps after it until its first token."""
     admit = next((i for i, s in enumerate(steps) if req["id"] in s[3]), None)
     ttft = req["first"] - req["sent"]
     if admit is None:
@@ -96,7 +109,8 @@ def timeline(req: dict[str, Any], steps: Sequence[tuple[float, float, int, tuple
     return {"ttft_ms": 1e3 * ttft, "to_admit_ms": 1e3 * (t0 - req["sent"]), "admit_step_ms": 1e3 * (t1 - t0),
             "after_ms": 1e3 * (req["first"] - t1), "steps_after": float(len(after)),
             "steps_waited": float(sum(1 for s in steps[:admit] if s[1] > req["sent"])),
-            "rows_at_admit": float(steps[admit][2])}
+            "rows_at_admit": float(steps[admit][2]),
+            **({"admit_run_ms": 1e3 * runs[admit]} if admit < len(runs) else {})}
 
 
 def _summary(rows: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -131,6 +145,7 @@ async def run_variant(model_dir: str, overrides: dict[str, Any], quick: bool, co
         for i, p in enumerate(warm):
             await _one(engine, p, 4, f"warm-{i}")
         log.steps.clear()
+        log.runs.clear()
         sem = asyncio.Semaphore(c)
 
         async def one(i: int, p: Sequence[int]) -> dict[str, Any]:
@@ -142,7 +157,7 @@ async def run_variant(model_dir: str, overrides: dict[str, Any], quick: bool, co
         duration = time.perf_counter() - t0
         await engine.shutdown()
     steps = list(log.steps)
-    lines = [(r, timeline(r, steps)) for r in reqs]
+    lines = [(r, timeline(r, steps, log.runs)) for r in reqs]
     warm_rows = [t for r, t in lines if r["cached"] >= r["prompt"] // 2]
     cold_rows = [t for r, t in lines if r["cached"] < r["prompt"] // 2]
     durations = [1e3 * (s[1] - s[0]) for s in steps]
@@ -189,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         w = out[name]["warm"]
         if w.get("n"):
             print(f"{name}: warm n={w['n']} TTFT p50 {w['ttft_ms']['p50']} ms = to admit {w['to_admit_ms']['p50']} "
-                  f"+ admitting step {w['admit_step_ms']['p50']} + after {w['after_ms']['p50']} ms "
+                  f"+ admitting step {w['admit_step_ms']['p50']} (its run {w['admit_run_ms']['p50']}) "
+                  f"+ after {w['after_ms']['p50']} ms "
                   f"({w['steps_after']['p50']} steps); steps p50 {out[name]['steps']['ms_p50']} ms, "
                   f"admitting steps p50 {out[name]['steps']['admitting_ms_p50']} ms", flush=True)
     print(json.dumps(out))

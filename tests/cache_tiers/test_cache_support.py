@@ -89,12 +89,13 @@ def skey(tokens: Sequence[int], k: int, block: int = BLOCK, salt: str = "") -> s
     return state_key(chain(tokens, block, salt)[k])
 
 
-def store(tmp_path: Any = None, *, storage: Any = None, fingerprint: str = FINGERPRINT, **cfg: Any) -> TieredStore:
+def store(tmp_path: Any = None, *, storage: Any = None, fingerprint: str = FINGERPRINT, host_copies: bool = False,
+          **cfg: Any) -> TieredStore:
     defaults: dict[str, Any] = dict(ram_bytes=10**8, block_size=BLOCK, min_restore_tokens=4)
     if tmp_path is not None:
         defaults["ssd_dir"] = str(tmp_path / "ssd")
     defaults.update(cfg)
-    s = build_store(CacheConfig(**defaults), fingerprint, storage=storage)
+    s = build_store(CacheConfig(**defaults), fingerprint, storage=storage, host_copies=host_copies)
     assert isinstance(s, TieredStore)
     return s
 
