@@ -72,8 +72,9 @@ def test_next_chat_turn_reuses_prompt_and_output(tiny_model_dir, tmp_path):
         run(eng.shutdown())
 
 
-def test_ssd_tier_serves_after_restart(tiny_model_dir, tmp_path, cold_texts):
-    config = cache_config(tmp_path)
+@pytest.mark.parametrize("host_copies", ["auto", True])  # True: what MLX's CUDA backend runs (the writer reads copies)
+def test_ssd_tier_serves_after_restart(tiny_model_dir, tmp_path, cold_texts, host_copies):
+    config = cache_config(tmp_path, host_copies=host_copies)
     eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
     run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
     run(eng.shutdown())  # flushes the SSD write-behind queue
