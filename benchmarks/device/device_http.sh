@@ -32,7 +32,8 @@
 #          $OUT/reuse-<shape>.json, $OUT/logs-reuse.tgz.
 # prefixpart: benchmarks/engine/prefix_part.py: the reuse part's prefix workload through the engine in process, each
 #          warm request's TTFT split by the step log (to admission, the admitting step, the steps after it);
-#          PREFIXPART_VARIANTS (space-separated NAME:KEY=VALUE,... engine settings; default "default:").
+#          PREFIXPART_VARIANTS (space-separated NAME:KEY=VALUE,... engine settings; default "default:"),
+#          PREFIXPART_PYSPY=1: under py-spy with native frames ($OUT/prefixpart.pyspy).
 #          ~30 s a variant; PREFIXPART_TIMEOUT (240 s). $OUT/prefixpart.log.
 # ssd:     benchmarks/engine/ssd_growth.py, Pomona alone: SSD bytes left by one conversation growing ~250 tokens a
 #          turn for 8 turns over its final KV size (/admin/cache's ssd.bytes), then the chunk gaps of 4
@@ -177,7 +178,8 @@ for what in ${1//,/ }; do
     prefixpart)
       M=$(agent_model) || { echo "[prefixpart] could not build the $SHAPE model"; continue; }
       vflags=(); for v in ${PREFIXPART_VARIANTS:-default:}; do vflags+=(--variant "$v"); done
-      bounded "${PREFIXPART_TIMEOUT:-240}" python3 -m benchmarks.engine.prefix_part "$M" "${vflags[@]}" \
+      spy=(); [ -n "${PREFIXPART_PYSPY:-}" ] && spy=(py-spy record -r 250 --threads --native -f raw -o "$OUTDIR/prefixpart.pyspy" --)
+      bounded "${PREFIXPART_TIMEOUT:-240}" "${spy[@]}" python3 -m benchmarks.engine.prefix_part "$M" "${vflags[@]}" \
         >"$OUTDIR/prefixpart.log" 2>/tmp/prefixpart.stderr || tail -c 2000 /tmp/prefixpart.stderr
       grep -v '^{' "$OUTDIR/prefixpart.log" ;;
     ssd)
