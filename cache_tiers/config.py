@@ -25,17 +25,18 @@ class CacheConfig:
     # one step that everyone waits for. null: all of it in the step that finds it read.
     ssd_handover_ms: float | None = 20.0
     # When new blocks go to the SSD: "through", as they are offered (a crash loses nothing finished);
-    # "idle", only while the engine runs no request (and as RAM evicts them, and at shutdown): the
-    # disk's host reads of a block never overlap a step. Why the choice: with "through" the H200
-    # served 18 % fewer tokens at 32 concurrent one-off prompts than with no SSD tier (session 20;
-    # on the CPU the two match), and the candidate cause is CUDA's own: MLX keeps arrays there in
-    # managed memory, which the writer's host reads migrate off the GPU (and a later RAM hit of the
-    # block back). A Mac's unified memory migrates nothing. "through" stays the default until a
-    # device run A/Bs the two (docs/accelerators.md, planned runs).
+    # "idle", only while the engine runs no request (and as RAM evicts them, and at shutdown): no
+    # block's bytes leave the device while a step runs. Why the choice: on the H200 one-off 1B prompts
+    # over HTTP served 0.82-0.86x (32 concurrent) and 0.84-0.92x (128) with "through" against no SSD
+    # tier (sessions 20-21; on the CPU the two match): CUDA's own cost, the device-to-host copy of
+    # every offered row on the MLX thread (`codec.to_host`), which a Mac's unified memory does not
+    # make. "through" stays the default until a device run A/Bs the two (docs/accelerators.md).
     ssd_write: str = "through"
     # The SSD writer reads private copies of new rows, not the arrays RAM keeps: "auto" on MLX's CUDA
     # backend only, where a host read moves an array out of device memory for good and a later RAM
-    # hit of it paid 22x (cache_tiers/ssd.py, benchmarks/device/host_reads.py); true / false to force.
+    # hit of it paid 22x (cache_tiers/ssd.py, benchmarks/device/host_reads.py). Measured there (H200,
+    # smollm2 shape, the prefix part in process, one run): a prefix hit's TTFT p50 45.8 ms with copies
+    # against 57.2 ms without, plain steps 7.65 against 9.15 ms. true / false to force.
     host_copies: bool | str = "auto"
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
