@@ -16,17 +16,20 @@ import tempfile
 import time
 
 
-async def first_token(engine, tokens, rid: str, max_tokens: int = 8, salt: str = "") -> tuple[float, float, int]:
+async def first_token(engine, tokens, rid: str, max_tokens: int = 8, salt: str = "",
+                      ignore_eos: bool = False) -> tuple[float, float, int]:
     """Send `tokens` (greedy) and read it to its end: (sent at, first token at, cached tokens)."""
     from engine.types import Request, SamplingParams
 
-    req = Request(tuple(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=rid,
-                  cache_salt=salt)
+    req = Request(tuple(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+                  request_id=rid, cache_salt=salt)
     t0, first, cached = time.perf_counter(), None, 0
     async for batch in engine.stream(req):
         if first is None and any(e.token_id is not None for e in batch):
             first = time.perf_counter()
         for e in batch:
+            if e.error:
+                raise RuntimeError(f"request {rid} failed in the engine: {e.error}")
             if e.finished and e.usage:
                 cached = e.usage.cached_tokens
     return t0, first or time.perf_counter(), cached

@@ -79,20 +79,10 @@ def timed_engine(config: Any, log: StepLog) -> Any:
 
 
 async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) -> dict[str, Any]:
-    from engine.types import Request, SamplingParams
+    from benchmarks.engine.prefix_hit import first_token
 
-    req = Request(tuple(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                  request_id=rid)
-    sent, first, cached = time.perf_counter(), None, 0
-    async for batch in engine.stream(req):
-        if first is None and any(e.token_id is not None for e in batch):
-            first = time.perf_counter()
-        for e in batch:
-            if e.error:
-                raise RuntimeError(f"request failed in the engine: {e.error}")
-            if e.finished and e.usage:
-                cached = e.usage.cached_tokens
-    return {"id": rid, "sent": sent, "first": first or time.perf_counter(), "cached": cached, "prompt": len(tokens)}
+    sent, first, cached = await first_token(engine, tokens, rid, max_tokens, ignore_eos=True)
+    return {"id": rid, "sent": sent, "first": first, "cached": cached, "prompt": len(tokens)}
 
 
 def timeline(req: dict[str, Any], steps: Sequence[tuple[float, float, int, tuple[str, ...]]],
