@@ -33,7 +33,8 @@
 # prefixpart: benchmarks/engine/prefix_part.py: the reuse part's prefix workload through the engine in process, each
 #          warm request's TTFT split by the step log (to admission, the admitting step, the steps after it);
 #          PREFIXPART_VARIANTS (space-separated NAME:KEY=VALUE,... engine settings; default "default:"),
-#          PREFIXPART_PYSPY=1: under py-spy with native frames ($OUT/prefixpart.pyspy).
+#          PREFIXPART_PYSPY=1: under py-spy, Python frames at 100 Hz ($OUT/prefixpart.pyspy; --native stalled the
+#          engine on the H200: it never got ready within 240 s).
 #          ~30 s a variant; PREFIXPART_TIMEOUT (240 s). $OUT/prefixpart.log.
 # ssd:     benchmarks/engine/ssd_growth.py, Pomona alone: SSD bytes left by one conversation growing ~250 tokens a
 #          turn for 8 turns over its final KV size (/admin/cache's ssd.bytes), then the chunk gaps of 4
@@ -178,7 +179,7 @@ for what in ${1//,/ }; do
     prefixpart)
       M=$(agent_model) || { echo "[prefixpart] could not build the $SHAPE model"; continue; }
       vflags=(); for v in ${PREFIXPART_VARIANTS:-default:}; do vflags+=(--variant "$v"); done
-      spy=(); [ -n "${PREFIXPART_PYSPY:-}" ] && spy=(py-spy record -r 250 --threads --native -f raw -o "$OUTDIR/prefixpart.pyspy" --)
+      spy=(); [ -n "${PREFIXPART_PYSPY:-}" ] && spy=(py-spy record -r 100 --threads -f raw -o "$OUTDIR/prefixpart.pyspy" --)
       bounded "${PREFIXPART_TIMEOUT:-240}" "${spy[@]}" python3 -m benchmarks.engine.prefix_part "$M" "${vflags[@]}" \
         >"$OUTDIR/prefixpart.log" 2>/tmp/prefixpart.stderr || tail -c 2000 /tmp/prefixpart.stderr
       grep -v '^{' "$OUTDIR/prefixpart.log" ;;
