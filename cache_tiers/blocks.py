@@ -147,11 +147,14 @@ def split(cache: Sequence[Any], n: int) -> Split:
 
 
 def cut_blocks(parts: Split, chain: Sequence[bytes], tokens: np.ndarray, first: int, last: int,
-               block_size: int, quant: tuple[int, int] | None = None) -> list[Block]:
-    """Blocks `first` .. `last - 1` of the offer (private copies, started, not waited for)."""
+               block_size: int, quant: tuple[int, int] | None = None, offset: int = 0) -> list[Block]:
+    """Blocks `first` .. `last - 1` of the offer (private copies, started, not waited for).
+    `offset`: the token `parts`' first row holds (an offer of what the store lacked only)."""
     if first >= last:
         return []
-    a, b = first * block_size, last * block_size
+    a, b = first * block_size - offset, last * block_size - offset
+    if a < 0:
+        raise ValueError(f"block {first} starts before the offer's rows (token {offset})")
     groups = parts.layout.groups
     if quant is not None and any(parts.rows[g[0]].shape[-1] % quant[1] for g in groups):
         quant = None  # a head dim the group size does not divide: stored as it is
@@ -186,10 +189,12 @@ def exact_state(parts: Split, digest: bytes) -> ExactState | None:
     return ExactState(digest, n, parts.layout.num_layers, layers, _nbytes(arrays))
 
 
-def cut_tail(parts: Split, start: int, parent: bytes | None, tokens: np.ndarray) -> Tail:
-    """The offer's tokens from `start` (its last whole block's end) on, as a private copy."""
-    n = parts.num_tokens
-    arrays = tuple(mx.stack([parts.rows[s][:, start:n, :] for s in group]) for group in parts.layout.groups)
+def cut_tail(parts: Split, start: int, parent: bytes | None, tokens: np.ndarray, offset: int = 0) -> Tail:
+    """The offer's tokens from `start` (its last whole block's end) on, as a private copy.
+    `offset`: the token `parts`' first row holds."""
+    n = offset + parts.num_tokens
+    arrays = tuple(mx.stack([parts.rows[s][:, start - offset:n - offset, :] for s in group])
+                   for group in parts.layout.groups)
     mx.async_eval(list(arrays))
     state = exact_state(parts, parent or b"")
     nbytes = _nbytes(arrays) + (n - start) * 8 + (state.nbytes if state else 0)

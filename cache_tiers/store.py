@@ -64,9 +64,14 @@ class PrefixStore(Protocol):
         """A private copy of what `find` found for these `tokens` (None: nothing, too short, or
         gone since); counted as one lookup of `tokens`."""
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
-        """Remember `cache`, which covers exactly `tokens`. The store takes what it lacks (it copies
-        as it needs); the caller must not mutate `cache` afterwards."""
+    def held(self, tokens: Sequence[int], salt: str = "") -> int:
+        """How many leading tokens of `tokens` the store holds in RAM as whole blocks now (a multiple
+        of its block size): an offer made next on this thread may leave them out (`offer`'s `start`)."""
+
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "", start: int = 0) -> None:
+        """Remember `cache`, which covers exactly `tokens[start:]` (`start`: at most what `held` said,
+        0 for a cache with exact layers). The store takes what it lacks (it copies as it needs); the
+        caller must not mutate `cache` afterwards."""
 
     def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Any | None:
         """Start reading, off the MLX thread, what `match` needs from a slow tier (the SSD); None
@@ -114,7 +119,10 @@ class NullStore:
     def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
         return None
 
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
+    def held(self, tokens: Sequence[int], salt: str = "") -> int:
+        return 0
+
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "", start: int = 0) -> None:
         return None
 
     def prefetch(self, match: Match | None, tokens: Sequence[int]) -> Any | None:

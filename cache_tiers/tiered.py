@@ -365,28 +365,49 @@ class TieredStore:
         return self.restore(tokens, self.find(tokens, salt), salt)
 
     # -- offers ---------------------------------------------------------------------------------
-    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "") -> None:
-        """Keep the blocks of `cache` (covering exactly `tokens`) that RAM lacks, and where the
+    def held(self, tokens: Sequence[int], salt: str = "") -> int:
+        """How many leading tokens of `tokens` RAM holds as whole blocks now: an offer of them made
+        before anything else runs on this thread may start there (`offer`'s `start`)."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        k = len(toks) // self.block_size
+        return self.ram.reach(self._chain(toks[:k * self.block_size], salt)) * self.block_size if k else 0
+
+    def offer(self, tokens: Sequence[int], cache: list[Any], kind: OfferKind, salt: str = "", start: int = 0) -> None:
+        """Keep the blocks of `cache` (covering exactly `tokens[start:]`) that RAM lacks, and where the
         offer ends either its tail (RAM; and for a "finished" offer the SSD, under its last block) or,
         on a block boundary, its exact state. Every block is written to the SSD once (it costs its own
-        bytes, never a conversation's): now, or with `cache.ssd_write: idle` once no request runs."""
+        bytes, never a conversation's): now, or with `cache.ssd_write: idle` once no request runs.
+
+        `start` (a multiple of the block size, at most what `held` says): the caller copied only the
+        KV past what RAM holds. Why: a turn of a long conversation otherwise copies its whole history
+        on the device twice (at its prompt's end and at its finish) to have the store keep its new
+        blocks (a 20k-token turn of a 30B-class model: gigabytes of transient device memory). Blocks
+        before `start` that RAM no longer holds cannot be rebuilt from it: nothing past them is kept
+        (a chain is held root first), and the offer counts as rejected."""
         toks = np.asarray(tokens, dtype=np.int64)
+        n, bs = len(toks), self.block_size
         try:
-            parts = blk.split(cache, len(toks))
+            if start % bs or not 0 <= start < n:
+                raise ValueError(f"an offer starting at token {start} of {n} (blocks of {bs})")
+            parts = blk.split(cache, n - start)
+            if start and parts.exact:  # an exact layer's state covers every token: it cannot start later
+                raise ValueError("an offer with exact layers must cover its tokens from the first")
         except (TypeError, ValueError) as e:
             self.totals.rejected += 1
             log.debug("prefix cache: not storing offer: %s", e)
             return
         exact = parts.layout.needs_exact
         self._exact = exact
-        n, bs = len(toks), self.block_size
         k = n // bs
         chain = self._chain(toks[:k * bs], salt)
         have = self.ram.reach(chain)
+        if have * bs < start:  # evicted since `held` said so: the chain has a gap this cache cannot fill
+            self.totals.rejected += 1
+            return
         quant = None
         if self.quant is not None and n >= self.quant.min_tokens:
             quant = (self.quant.bits, self.quant.group_size)
-        new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant)
+        new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant, offset=start)
         self.blocks_offered += len(new)
         seed = self._seed(salt)
         through = self.ssd is not None and self.write_through
@@ -397,7 +418,7 @@ class TieredStore:
             if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
                 self._demote(b, False)
         if k * bs < n:  # the tokens past the last whole block: RAM, and the SSD under a block
-            tail = blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks)
+            tail = blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks, offset=start)
             self.ram.add_tail(tail, seed)
             # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
             # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.forward import last_logits
-from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress
+from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Extracted, Generated, PromptProgress, StoredPrefix
 from engine.sampling import Decoding
 
 log = logging.getLogger("pomona.engine")
@@ -47,6 +47,7 @@ class BatchGeneratorRunner:
         # model's prompts are fed in segments that end there.
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self.kv_window = bounded_window(model, config.max_kv_size)
+        self.stored_prefix: StoredPrefix = lambda request_id, tokens: 0  # unused: caches are copied whole
         self._uid_to_id: dict[int, str] = {}
         self._id_to_uid: dict[str, int] = {}
 
@@ -153,20 +154,23 @@ class BatchGeneratorRunner:
                                        r.all_tokens))
         return prompts, generated
 
-    def extract(self, request_id: str) -> tuple[list[Any], list[int]] | None:
-        """A copy of a running request's cache and the tokens it covers (for the prefix store)."""
+    def extract(self, request_id: str) -> Extracted | None:
+        """A copy of a running request's whole cache and the tokens it covers (for the prefix
+        store): mlx-lm's generator copies a sequence's cache only whole (`stored_prefix` unused)."""
         uid = self._id_to_uid.get(request_id)
         if uid is None:
             return None
-        return self._generator.extract_cache([uid]).get(uid)
+        got = self._generator.extract_cache([uid]).get(uid)
+        return None if got is None else Extracted(*got)
 
-    def remove(self, request_id: str, return_cache: bool = False) -> tuple[list[Any], list[int]] | None:
+    def remove(self, request_id: str, return_cache: bool = False) -> Extracted | None:
         uid = self._id_to_uid.get(request_id)
         if uid is None:
             return None
         caches = self._generator.remove([uid], return_prompt_caches=return_cache)
         self._forget(uid)
-        return caches.get(uid)
+        got = caches.get(uid)
+        return None if got is None else Extracted(*got)
 
     def reset(self) -> list[str]:
         """Drop every sequence and start a clean generator; returns the ids that were dropped."""

@@ -18,7 +18,7 @@ from cache_tiers.store import Match, NullStore, PrefixStore
 from engine import mlx_settings
 from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
-from engine.runner import Generated, PromptProgress, Runner
+from engine.runner import Extracted, Generated, PromptProgress, Runner
 from engine.runner_choice import make_runner
 from engine.sampling import make_decoding, top_logprobs
 from engine.scheduler import LOADING, Admission, BatchView, Scheduler, SchedulerOutput, kv_footprint
@@ -55,6 +55,7 @@ class Engine:
         self.scheduler = Scheduler(config, on_cpu=mx.default_device() == mx.cpu)
         mlx_settings.apply(config)  # before the first forward: MLX reads these once
         self.runner: Runner = make_runner(model, config)
+        self.runner.stored_prefix = self._stored_prefix
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}  # waiting and admitted, until their final event
         self._prefilling: dict[str, Sequence] = {}  # admitted, prompt not yet fully processed
@@ -256,7 +257,7 @@ class Engine:
             if direct:
                 first = self.runner.insert_after_first_token(
                     seq.request_id, tokens[cached:], tokens[:cached], hit.cache, decoding, params.max_tokens,
-                    on_checkpoint=lambda n, cache: self._offer(seq, (cache, list(tokens[:n])), "checkpoint"))
+                    on_checkpoint=lambda n, cache: self._offer(seq, Extracted(cache, list(tokens[:n])), "checkpoint"))
             else:
                 self.runner.insert(seq.request_id, tokens[cached:], tokens[:cached], hit.cache if hit else None,
                                    decoding, params.max_tokens)
@@ -323,7 +324,7 @@ class Engine:
         logprob = self._logprob(seq, g)
         if g.finish_reason == "stop":  # EOS or a stop token id: its text is not part of the output
             delta = seq.text.finish()
-            self._offer(seq, (g.cache, g.tokens) if g.cache else None, "finished")
+            self._offer(seq, Extracted(g.cache, g.tokens, g.start) if g.cache else None, "finished")
             return self._final(seq, FinishReason.STOP, delta.text, token=g.token, logprob=logprob)
         delta = seq.text.add(g.token)
         if delta.stopped:
@@ -332,7 +333,7 @@ class Engine:
                                stop=delta.stop)
         if g.finish_reason == "length":
             tail = seq.text.finish()
-            self._offer(seq, (g.cache, g.tokens) if g.cache else None, "finished")
+            self._offer(seq, Extracted(g.cache, g.tokens, g.start) if g.cache else None, "finished")
             reason = FinishReason.STOP if tail.stopped else FinishReason.LENGTH
             return self._final(seq, reason, delta.text + tail.text, token=g.token, logprob=logprob,
                                stop=tail.stop)
@@ -363,16 +364,24 @@ class Engine:
         if keep:
             self._offer(seq, removed, "finished")
 
-    def _offer(self, seq: Sequence, cache_and_tokens: tuple[list[Any], list[int]] | None, kind: str) -> None:
-        if cache_and_tokens is None or isinstance(self.store, NullStore):
+    def _offer(self, seq: Sequence, extracted: Extracted | None, kind: str) -> None:
+        if extracted is None or isinstance(self.store, NullStore):
             return
-        cache, tokens = cache_and_tokens
+        cache, tokens, start = extracted
         if len(tokens) < self._min_store:
             return
         try:
-            self.store.offer(list(tokens), cache, kind, seq.request.cache_salt)  # type: ignore[arg-type]
+            self.store.offer(list(tokens), cache, kind, seq.request.cache_salt, start)  # type: ignore[arg-type]
         except Exception:  # the cache is an optimisation: never fail a request over it
             log.exception("prefix store refused an offer for %s", seq.request_id)
+
+    def _stored_prefix(self, request_id: str, tokens: list[int]) -> int:
+        """The runner's `stored_prefix`: leading tokens of a request's cache the store holds now
+        (the offer that follows on this thread copies only past them)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or isinstance(self.store, NullStore) or len(tokens) < self._min_store:
+            return 0
+        return self.store.held(tokens, seq.request.cache_salt)
 
     def _expire(self) -> list[TokenEvent]:
         now = self._clock()

@@ -38,13 +38,27 @@ class PromptProgress:
     end_of_prompt: bool
 
 
+class Extracted(NamedTuple):
+    """A copy of a request's cache for the prefix store: `cache` covers `tokens[start:]`."""
+
+    cache: list[Any]
+    tokens: list[int]
+    start: int = 0  # leading tokens left out: the store held them as whole blocks (`StoredPrefix`)
+
+
+# (request id, its tokens) -> how many leading tokens the prefix store holds as whole blocks now. A
+# runner copies a request's cache for the store only past them (the engine sets it; 0: all of it).
+StoredPrefix = Callable[[str, Sequence[int]], int]
+
+
 class Generated(NamedTuple):  # a tuple, not a frozen dataclass: one per token, built every step
     request_id: str
     token: int
     logprobs: Any  # mx.array over the vocabulary
     finish_reason: str | None  # "stop" or "length" from mlx-lm
-    cache: list[Any] | None  # prompt + output cache, on the final response only
-    tokens: list[int] | None  # the tokens `cache` covers
+    cache: list[Any] | None  # prompt + output cache past `start`, on the final response only
+    tokens: list[int] | None  # the tokens the request covers (`cache` covers tokens[start:])
+    start: int = 0
 
 
 @runtime_checkable
@@ -55,6 +69,9 @@ class Runner(Protocol):
     checkpoints: CheckpointPolicy
     # The most KV positions one sequence keeps (a bounded, rotating cache); None: all of them.
     kv_window: int | None
+    # What the store holds of a request's tokens: `extract`, `remove` and a finished request's
+    # `Generated` copy only past it (a runner whose caches cannot be cut copies all: start 0).
+    stored_prefix: StoredPrefix
 
     def __len__(self) -> int:
         """Sequences in the batch (prefilling and decoding)."""
@@ -72,11 +89,12 @@ class Runner(Protocol):
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
         """Run the batch once: prompt progress and the tokens generated."""
 
-    def extract(self, request_id: str) -> tuple[list[Any], list[int]] | None:
-        """A copy of a running request's cache and the tokens it covers (for the prefix store)."""
+    def extract(self, request_id: str) -> Extracted | None:
+        """A copy of a running request's cache past what the store holds (`stored_prefix`), and the
+        tokens it covers (for the prefix store); None when the store holds all of it."""
 
-    def remove(self, request_id: str, return_cache: bool = False) -> tuple[list[Any], list[int]] | None:
-        """Drop a request from the batch; with `return_cache`, its cache and the tokens it covers."""
+    def remove(self, request_id: str, return_cache: bool = False) -> Extracted | None:
+        """Drop a request from the batch; with `return_cache`, what `extract` returns first."""
 
     def reset(self) -> list[str]:
         """Drop every sequence and start clean (after a fault); returns the ids that were dropped."""

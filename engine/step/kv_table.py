@@ -102,17 +102,18 @@ class SlotKV:
             self.keys[i][lo:hi, :n] = keys[0, :, :n, :]
             self.values[i][lo:hi, :n] = values[0, :, :n, :]
 
-    def extract(self, row: int, n: int) -> list[Any]:
-        """Copies of `row`'s first `n` positions as mlx-lm `KVCache`s (for the prefix store or a
-        finished request), on a ring table `RotatingKVCache`s; scheduled at once so no view of
-        the table outlives this step."""
+    def extract(self, row: int, n: int, start: int = 0) -> list[Any]:
+        """Copies of `row`'s positions `start` .. `n - 1` as mlx-lm `KVCache`s (for the prefix store
+        or a finished request), on a ring table its window as `RotatingKVCache`s (`start` 0);
+        scheduled at once so no view of the table outlives this step."""
         if self.window is not None:
             return extract_ring(self, row, n)
         out = []
         for i, s in enumerate(self.shapes):
             lo, hi = row * s.kv_heads, (row + 1) * s.kv_heads
             c = KVCache()
-            c.state = (mx.contiguous(self.keys[i][lo:hi, :n])[None], mx.contiguous(self.values[i][lo:hi, :n])[None], n)
+            c.state = (mx.contiguous(self.keys[i][lo:hi, start:n])[None],
+                       mx.contiguous(self.values[i][lo:hi, start:n])[None], n - start)
             out.append(c)
         mx.async_eval([c.state[:2] for c in out])
         return out

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.checkpoints import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.forward import logits_at
-from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Generated, PromptProgress
+from engine.runner import DIRECT_PREFILL_CHUNK, Checkpoint, Extracted, Generated, PromptProgress, StoredPrefix
 from engine.sampling import Decoding
 from engine.step.backend import StepBackend, prefill_shape, step_backend
 from engine.step.draft import DraftProposer, check_vocab, load_draft
@@ -75,6 +75,7 @@ class StepRunner:
         self._stream = mx.new_stream(mx.default_device())
         self.checkpoints = CheckpointPolicy.for_model(model, config)
         self.kv_window = config.max_kv_size  # every row is a ring of this many positions when set
+        self.stored_prefix: StoredPrefix = lambda request_id, tokens: 0  # the engine tells what its store holds
         self._shapes = layer_shapes(model)
         self._stall = StallBudget(config.max_decode_stall)
         self._block = self._backend.position_block
@@ -173,15 +174,22 @@ class StepRunner:
         token, logprobs = int(work.tokens[0].item()), work.logprobs[0]
         return self._read_one(slot, token, logprobs)
 
-    def extract(self, request_id: str) -> tuple[list[Any], list[int]] | None:
-        """A copy of a running request's cache and the tokens it covers (for the prefix store)."""
+    def extract(self, request_id: str) -> Extracted | None:
+        """A copy of a running request's cache past what the prefix store holds, and the tokens it
+        covers. Why only past it: a long conversation's turn would otherwise copy its whole history
+        on the device twice (prompt end, finish) for the store to keep its new blocks. A ring holds
+        only its window: copied whole."""
         slot = self._slots.get(request_id)
         if slot is None:
             return None
         n = min(slot.length, len(slot.known))
-        return self._kv.extract(slot.row, n), slot.known[:n]
+        tokens = slot.known[:n]
+        start = self.stored_prefix(request_id, tokens) if self.kv_window is None else 0
+        if start >= n:
+            return None
+        return Extracted(self._kv.extract(slot.row, n, start), tokens, start)
 
-    def remove(self, request_id: str, return_cache: bool = False) -> tuple[list[Any], list[int]] | None:
+    def remove(self, request_id: str, return_cache: bool = False) -> Extracted | None:
         kept = self.extract(request_id) if return_cache else None
         slot = self._slots.pop(request_id, None)
         if slot is not None:
@@ -603,8 +611,10 @@ class StepRunner:
             reason = "stop"
         if reason is None:
             return Generated(slot.request_id, token, logprobs, None, None, None)
-        cache, tokens = self.remove(slot.request_id, return_cache=True)
-        return Generated(slot.request_id, token, logprobs, reason, cache, tokens)
+        kept = self.remove(slot.request_id, return_cache=True)
+        if kept is None:  # the store holds all of it
+            return Generated(slot.request_id, token, logprobs, reason, None, None)
+        return Generated(slot.request_id, token, logprobs, reason, kept.cache, kept.tokens, kept.start)
 
     def _grow(self, rows: int, positions: int) -> None:
         old = self._kv.rows

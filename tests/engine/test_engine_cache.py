@@ -319,3 +319,51 @@ def test_a_cache_flush_returns_once_everything_ram_holds_is_on_disk(tiny_model_d
         assert run(eng.call(lambda e: e.store.unwritten())) == 0
     finally:
         run(eng.shutdown())
+
+
+@pytest.mark.parametrize("engine_step", ["pomona", "mlx_lm"])
+def test_a_conversations_offers_copy_its_new_tokens_not_its_history(tiny_model_dir, tmp_path, engine_step):
+    """Each turn's offers (its prompt's end, its finish) hand the store only the KV past the blocks it
+    holds (the own step; mlx-lm's generator copies whole caches), and every turn still answers as cold."""
+    from engine.types import Request, SamplingParams
+
+    offers = []
+
+    def recording(config, loaded):
+        store = default_store(config, loaded)
+        real = store.offer
+
+        def offer(tokens, cache, kind, salt="", start=0):
+            offers.append((kind, len(tokens), start, cache[0].state[0].shape[2]))
+            return real(tokens, cache, kind, salt, start)
+
+        store.offer = offer
+        return store
+
+    def turns(eng):
+        conversation, texts = [], []
+        for question in (LONG, " Who lives there?", " And in Spain?"):
+            conversation = conversation + eng.tokenizer.encode(question)
+            text, events = run(collect(eng, Request(tuple(conversation), SamplingParams(max_tokens=12, temperature=0.0))))
+            conversation = conversation + [e.token_id for e in events if e.token_id is not None]
+            texts.append(text)
+        return texts
+
+    cold = make_engine(tiny_model_dir, engine_step=engine_step)
+    try:
+        want = turns(cold)
+    finally:
+        run(cold.shutdown())
+    eng = make_engine(tiny_model_dir, store_factory=recording, cache=cache_config(tmp_path), engine_step=engine_step)
+    try:
+        assert turns(eng) == want
+    finally:
+        run(eng.shutdown())
+    later = [o for o in offers if o[1] > offers[0][1] + 16]  # offers of turns 2 and 3
+    assert later
+    for kind, n, start, copied in later:
+        assert copied == n - start
+        if engine_step == "pomona":
+            assert start > 0 and copied < 40, (kind, n, start)  # a turn's new tokens and at most a block more
+        else:
+            assert start == 0
