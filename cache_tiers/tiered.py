@@ -110,6 +110,7 @@ class TieredStore:
         self.too_short = 0
         self.blocks_offered = 0  # new blocks cut from offers (what the store paid to copy)
         self._seeds: dict[str, bytes] = {}
+        self._last_chain: tuple[tuple[str, bytes], tuple[bytes, ...]] | None = None  # `_chain`'s memo
         # Whether the model has exact (uncuttable) layers: learned from the first offer or block
         # read; until then the SSD probe also asks for exact states.
         self._exact: bool | None = None
@@ -130,8 +131,15 @@ class TieredStore:
                 self._seeds = {salt: seed}
         return seed
 
-    def _chain(self, tokens: np.ndarray, salt: str) -> list[bytes]:
-        return block_chain(tokens, self.block_size, self._seed(salt))
+    def _chain(self, tokens: np.ndarray, salt: str) -> tuple[bytes, ...]:
+        """The block chain of `tokens`; the last one is kept, because `held` and the `offer` that
+        follows it on this thread hash the same tokens (a 20k-token prompt: ~300 digests)."""
+        key = (salt, np.asarray(tokens, dtype=np.int64).tobytes())
+        if self._last_chain is not None and self._last_chain[0] == key:
+            return self._last_chain[1]
+        chain = tuple(block_chain(tokens, self.block_size, self._seed(salt)))
+        self._last_chain = (key, chain)
+        return chain
 
     def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
         """The longest prefix RAM holds, or the SSD's rows promise past it; nothing read or counted."""
@@ -140,7 +148,7 @@ class TieredStore:
         if n < 2:
             return None
         limit = (n - 1) // self.block_size  # whole blocks, leaving a token to feed
-        chain = tuple(self._chain(toks[:limit * self.block_size], salt))
+        chain = self._chain(toks[:limit * self.block_size], salt)
         ram = self.ram.reach(chain, toks, self.block_size)
         if self._exact is None and ram:  # the blocks say whether the model has exact layers
             self._exact = self.ram.blocks(chain[:1])[0].layout.needs_exact

@@ -94,3 +94,19 @@ def test_a_cache_with_exact_layers_must_start_at_the_first_token():
     s.offer(toks(48), [kv[0], state], "finished", start=16)
     assert s.stats()["rejected_offers"] == 1
     s.close()
+
+
+def test_held_and_the_offer_after_it_hash_the_chain_once(monkeypatch):
+    import cache_tiers.tiered as tiered
+
+    calls = []
+    real = tiered.block_chain
+    monkeypatch.setattr(tiered, "block_chain", lambda *a: calls.append(1) or real(*a))
+    s = store()
+    s.offer(toks(40), kv_for(toks(40)), "finished")
+    calls.clear()
+    start = s.held(toks(100))
+    s.offer(toks(100), _past(kv_for(toks(100)), start), "finished", start=start)
+    assert len(calls) == 1
+    assert s.held(toks(100), salt="b") == 0 and len(calls) == 2  # another salt: its own chain
+    s.close()
