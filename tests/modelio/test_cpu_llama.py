@@ -237,3 +237,17 @@ def test_prefill_attention_equals_mlx_sdpa(kind, split, monkeypatch) -> None:
             seen = mx.any(_padding_mask(B, L, S, [0, 70]), axis=-1, keepdims=True)
             got, want = mx.where(seen, got, 0), mx.where(seen, want, 0)
         assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_scores_block_stays_in_mlx_buffer_cache() -> None:
+    """A scores block of SCORES_BYTES, once freed, is kept by MLX's allocator for the next layer's
+    block (larger buffers go back to the system and are faulted in again every layer)."""
+    from modelio.cpu_llama import SCORES_BYTES
+
+    with mx.stream(mx.cpu):
+        mx.clear_cache()
+        block = mx.zeros((SCORES_BYTES // 4,), dtype=mx.float32)
+        mx.eval(block)
+        del block
+        assert mx.get_cache_memory() >= SCORES_BYTES
+        mx.clear_cache()
