@@ -38,6 +38,11 @@ class CacheConfig:
     # smollm2 shape, the prefix part in process, one run): a prefix hit's TTFT p50 45.8 ms with copies
     # against 57.2 ms without, plain steps 7.65 against 9.15 ms. true / false to force.
     host_copies: bool | str = "auto"
+    # Whether an SSD hit is read back: "auto", unless reading was measured to be more than 1.5x slower
+    # per token than this engine's prefills (then it is computed again; engine/restore_choice.py:
+    # on the H200 a 15,000-token SSD hit of the smollm2 shape took 1,085 ms, the prompt cold 458);
+    # "always", every hit is read.
+    ssd_reads: str = "auto"
     quantize_bits: int | None = None  # 4 or 8: quantize stored entries
     quantize_group_size: int = 64
     quantize_min_tokens: int = 256
@@ -57,6 +62,8 @@ class CacheConfig:
             raise ValueError("cache.ssd_handover_ms must be a number of milliseconds > 0, or null")
         if self.ssd_write not in ("through", "idle"):
             raise ValueError(f'cache.ssd_write must be "through" or "idle", got {self.ssd_write!r}')
+        if self.ssd_reads not in ("auto", "always"):
+            raise ValueError(f'cache.ssd_reads must be "auto" or "always", got {self.ssd_reads!r}')
         if self.host_copies not in (True, False, "auto"):
             raise ValueError(f'cache.host_copies must be true, false or "auto", got {self.host_copies!r}')
         if self.quantize_bits not in (None, 4, 8):

@@ -43,13 +43,15 @@ class Match:
     `num_tokens` is what a restore would serve: whole blocks, at most `len(tokens) - 1` (an SSD
     row read later may turn out missing: the restore then serves less). `too_short`: below `min_restore_tokens`, so restoring
     it would cost more than it saves; it is kept only so the lookup is counted as such. `source` is
-    the store's own reference (the chain and what each tier holds of it).
+    the store's own reference (the chain and what each tier holds of it). `ram_tokens`: the part
+    RAM serves without the SSD (the engine weighs reading the rest against computing it).
     """
 
     num_tokens: int
     tier: Tier
     source: Any = None
     too_short: bool = False
+    ram_tokens: int = 0  # of `num_tokens`, what RAM holds now (an SSD match reads the rest)
 
     @property
     def usable(self) -> int:
@@ -57,8 +59,9 @@ class Match:
 
 
 class PrefixStore(Protocol):
-    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
-        """Where the longest cached prefix of `tokens` is; copies nothing, counts nothing."""
+    def find(self, tokens: Sequence[int], salt: str = "", read_ssd: bool = True) -> Match | None:
+        """Where the longest cached prefix of `tokens` is; copies nothing, counts nothing.
+        `read_ssd=False`: what RAM alone holds (the engine chose not to read the SSD's rows)."""
 
     def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:
         """A private copy of what `find` found for these `tokens` (None: nothing, too short, or
@@ -113,7 +116,7 @@ class PrefixStore(Protocol):
 class NullStore:
     """No prefix caching: every lookup misses, offers are dropped."""
 
-    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
+    def find(self, tokens: Sequence[int], salt: str = "", read_ssd: bool = True) -> Match | None:
         return None
 
     def restore(self, tokens: Sequence[int], match: Match | None, salt: str = "") -> Hit | None:

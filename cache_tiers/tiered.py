@@ -141,8 +141,9 @@ class TieredStore:
         self._last_chain = (key, chain)
         return chain
 
-    def find(self, tokens: Sequence[int], salt: str = "") -> Match | None:
-        """The longest prefix RAM holds, or the SSD's rows promise past it; nothing read or counted."""
+    def find(self, tokens: Sequence[int], salt: str = "", read_ssd: bool = True) -> Match | None:
+        """The longest prefix RAM holds, or the SSD's rows promise past it (`read_ssd`: asked at all);
+        nothing read or counted."""
         toks = np.asarray(tokens, dtype=np.int64)
         n = len(toks)
         if n < 2:
@@ -154,7 +155,7 @@ class TieredStore:
             self._exact = self.ram.blocks(chain[:1])[0].layout.needs_exact
         ram_state = self._ram_state(chain, ram) if self._exact else ram
         ssd = ssd_state = 0
-        if self.ssd is not None and ram_state < limit:
+        if read_ssd and self.ssd is not None and ram_state < limit:
             ssd, ssd_state = self.ssd.probe(chain, ram + 1, self._exact, ram_state)
             if self._exact is False or (self._exact is None and ssd_state == 0):
                 # No exact layers (or not known yet and the disk holds no exact state on this chain:
@@ -176,7 +177,8 @@ class TieredStore:
             found = _Found(chain, ram, ram_state, ssd, ssd_state, tail[0], tail[1], seed)
         if num == 0:
             return None
-        return Match(num, tier, found, too_short=num < max(1, self.min_restore_tokens))
+        return Match(num, tier, found, too_short=num < max(1, self.min_restore_tokens),
+                     ram_tokens=num if tier == "ram" else ram * self.block_size)
 
     def _ram_state(self, chain: Sequence[bytes], ram: int) -> int:
         """Blocks up to the deepest exact state RAM holds on the chain (exact models)."""

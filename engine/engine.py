@@ -18,6 +18,7 @@ from cache_tiers.store import Match, NullStore, PrefixStore
 from engine import mlx_settings
 from engine.config import EngineConfig
 from engine.memory import MemoryAccount, kv_bytes_per_token
+from engine.restore_choice import RestoreChoice
 from engine.runner import Extracted, Generated, PromptProgress, Runner
 from engine.runner_choice import make_runner
 from engine.sampling import make_decoding, top_logprobs
@@ -33,12 +34,16 @@ EXPIRY_CHECK_S = 0.1  # request deadlines are checked this often, not every step
 
 
 class _Load:
-    """A waiting request's prefix being read from the SSD (`Engine._find`); keyed by its prompt's
+    """A waiting request's prefix being read from the SSD (`Engine._find`), or, with no `prefetch`,
+    one the engine chose to compute again (engine/restore_choice.py); keyed by its prompt's
     identity, which its Request (frozen) keeps for the request's life."""
 
-    def __init__(self, tokens: tuple[int, ...], prefetch: Any) -> None:
+    def __init__(self, tokens: tuple[int, ...], prefetch: Any | None, read_tokens: int = 0,
+                 started: float = 0.0) -> None:
         self.tokens = tokens
         self.prefetch = prefetch
+        self.read_tokens = read_tokens  # what the read brings past RAM's part
+        self.started = started
         self.taken = False  # the store has taken what was read (then `find` answers from RAM)
 
 
@@ -65,6 +70,7 @@ class Engine:
         self._min_store = max(1, config.cache.min_restore_tokens)
         self._direct_run = 0  # direct first-token admissions since the batch last ran
         self._loads: dict[int, _Load] = {}  # waiting requests whose prefix the SSD's reader is reading
+        self.restores = RestoreChoice(enabled=config.cache.ssd_reads == "auto")  # read an SSD hit, or compute it
         # Called (from the store's reader thread) when a read ends: the engine's loop wakes to take it.
         self.wake: Callable[[], None] = lambda: None
         # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
@@ -118,7 +124,7 @@ class Engine:
     def waiting_on_loads(self) -> bool:
         """Every request here waits for its prefix to be read from the SSD: a step would do
         nothing, so the loop may sleep until `wake` (a read finished) or a command."""
-        pending = sum(1 for load in self._loads.values() if not load.prefetch.done())
+        pending = sum(1 for load in self._loads.values() if load.prefetch is not None and not load.prefetch.done())
         return bool(self.seqs) and pending >= len(self.seqs)
 
     def idle(self) -> None:
@@ -213,9 +219,12 @@ class Engine:
         request answers LOADING (the scheduler admits others meanwhile) while the store's reader
         thread reads; the step that sees the read done has the store take it into RAM (wrapping
         arrays: no disk, no parsing) and the request is admitted from there, its hit still
-        reported as the SSD's."""
+        reported as the SSD's. Unless reading was measured to be slower than computing the same
+        tokens (engine/restore_choice.py): then the request takes what RAM holds, decided once."""
         load = self._loads.get(id(tokens))
         if load is not None and load.tokens is tokens:
+            if load.prefetch is None:
+                return self.store.find(tokens, salt, read_ssd=False)
             if not load.taken:
                 if not load.prefetch.done():
                     return LOADING
@@ -225,14 +234,18 @@ class Engine:
                 if not self.store.complete(load.prefetch, budget):
                     return LOADING
                 load.taken = True
+                self.restores.record_read(load.read_tokens, self._clock() - load.started)
             return self.store.find(tokens, salt)
         match = self.store.find(tokens, salt)
         if match is None or match.tier != "ssd" or match.too_short:
             return match
+        if not self.restores.should_read():
+            self._loads[id(tokens)] = _Load(tokens, None)
+            return self.store.find(tokens, salt, read_ssd=False)
         prefetch = self.store.prefetch(match, tokens)
         if prefetch is None:
             return match
-        self._loads[id(tokens)] = _Load(tokens, prefetch)
+        self._loads[id(tokens)] = _Load(tokens, prefetch, match.num_tokens - match.ram_tokens, self._clock())
         prefetch.on_done(lambda: self.wake())
         return LOADING
 
@@ -246,6 +259,7 @@ class Engine:
         tokens = seq.request.prompt_tokens
         self._loads.pop(id(tokens), None)
         hit = self.store.restore(tokens, admission.match, seq.request.cache_salt)
+        seq.admitted_at = self._clock()  # before the insert: a direct admission prefills inside it
         cached = hit.num_tokens if hit is not None else 0
         params = seq.request.params
         decoding = make_decoding(params, len(tokens), self._eos, seq.request.constraint)
@@ -267,7 +281,6 @@ class Engine:
             return [self._final(seq, FinishReason.ERROR, "", error=f"could not start the request: {exc}",
                                 code="internal_error")]
         seq.cached_tokens, seq.cache_tier = cached, (hit.tier if hit else None)
-        seq.admitted_at = self._clock()
         self.stats.prompt_tokens_total += len(tokens)
         self.stats.cached_tokens_total += cached
         if first is None:
@@ -315,6 +328,7 @@ class Engine:
                 seq.advance(RequestStatus.DECODING)
                 arrived = seq.request.arrival_time
                 self.stats.record_first_token(now - arrived, (seq.admitted_at or now) - arrived)
+                self.restores.record_prefill(seq.prompt_len - seq.cached_tokens, now - (seq.admitted_at or now))
             seq.output_tokens += 1
             seq.last_token_at = now
             events.append(self._token_event(seq, g))
@@ -436,7 +450,8 @@ class Engine:
     def _loading_phase(self, seq: Sequence) -> dict[str, str]:
         """A waiting request whose cached prefix the SSD's reader is reading says so."""
         load = self._loads.get(id(seq.request.prompt_tokens))
-        loading = load is not None and load.tokens is seq.request.prompt_tokens and not load.taken
+        loading = load is not None and load.tokens is seq.request.prompt_tokens and load.prefetch is not None \
+            and not load.taken
         return {"phase": "loading"} if loading and seq.status is RequestStatus.WAITING else {}
 
     def status(self) -> dict[str, Any]:
@@ -444,7 +459,7 @@ class Engine:
         view = self.view()
         return {**self.stats.as_dict(), "waiting": len(self.scheduler), "running": view.running,
                 "prefilling": view.prefilling, "kv_bytes": self.runner.cache_nbytes(), "runner": self.runner.counters(),
-                "cache": self.store.stats()}
+                "cache": self.store.stats(), "ssd_reads": self.restores.as_dict()}
 
     def close(self) -> None:
         self.runner.close()
