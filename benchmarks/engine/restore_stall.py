@@ -122,8 +122,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for task in streams:
         task.cancel()
     await asyncio.gather(*streams, return_exceptions=True)
+    # What the engine learned of its reads and prefills (engine/restore_choice.py): whether it would
+    # read the next such hit or compute it again.
+    reads = await engine.call(lambda e: e.restores.as_dict())
+    print(f"ssd reads: {reads}", flush=True)
     await engine.shutdown()
-    return {"prompt_tokens": len(tokens), "streams": args.streams, "hits": rows}
+    return {"prompt_tokens": len(tokens), "streams": args.streams, "hits": rows, "ssd_reads": reads}
 
 
 def main() -> None:
