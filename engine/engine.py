@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -49,9 +50,11 @@ class _Load:
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, store: PrefixStore | None = None,
-                 clock: Callable[[], float] = time.monotonic, consumer_text: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, consumer_text: bool = False,
+                 rates_path: Path | None = None) -> None:
         """With `consumer_text`, events of requests without stop strings carry token ids and no text:
-        the consumer makes it (`engine.text.ConsumerText`, as `AsyncEngine.stream` does)."""
+        the consumer makes it (`engine.text.ConsumerText`, as `AsyncEngine.stream` does). `rates_path`:
+        where the SSD read-or-compute rates are kept between runs (engine/restore_choice.py)."""
         config = config.for_backend(mx.default_device() == mx.cpu)  # "auto" settings made concrete
         self.config = config
         self._consumer_text = consumer_text
@@ -71,6 +74,9 @@ class Engine:
         self._direct_run = 0  # direct first-token admissions since the batch last ran
         self._loads: dict[int, _Load] = {}  # waiting requests whose prefix the SSD's reader is reading
         self.restores = RestoreChoice(enabled=config.cache.ssd_reads == "auto")  # read an SSD hit, or compute it
+        self._rates_path = rates_path
+        if rates_path is not None:
+            self.restores.load(rates_path)
         # Called (from the store's reader thread) when a read ends: the engine's loop wakes to take it.
         self.wake: Callable[[], None] = lambda: None
         # A waiting prompt sharing this many leading tokens with one being prefilled waits for that
@@ -464,3 +470,5 @@ class Engine:
     def close(self) -> None:
         self.runner.close()
         self.store.close()
+        if self._rates_path is not None:
+            self.restores.save(self._rates_path)

@@ -21,6 +21,7 @@ from cache_tiers.store import PrefixStore
 from engine.config import EngineConfig
 from engine.constraints import build_constraint
 from engine.engine import Engine
+from engine.restore_choice import rates_file
 from engine.stats import ThreadTimes
 from engine.text import ConsumerText, text_in_engine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, InvalidRequestError, Request,
@@ -335,8 +336,9 @@ class AsyncEngine:
         self.tokenizer, self.context_length, self.model_name = loaded.tokenizer, loaded.context_length, loaded.name
         if self.config.max_model_len:
             self.context_length = min(self.context_length, self.config.max_model_len)
-        engine = Engine(loaded.model, loaded.tokenizer, self.config, self._store_factory(self.config, loaded),
-                        consumer_text=True)
+        store = self._store_factory(self.config, loaded)
+        rates = rates_file(self.config.cache.ssd_dir, loaded.fingerprint) if self.config.cache.enabled else None
+        engine = Engine(loaded.model, loaded.tokenizer, self.config, store, consumer_text=True, rates_path=rates)
         engine.wake = lambda: self._commands.put(("wake", None))
         self._warm_up(engine)
         self._publish_stats(engine)

@@ -16,12 +16,23 @@ A read is chosen while it is at most `margin` times the prefill's cost per token
 every running request the compute) or either rate is unknown; when it is declined, every
 `explore_every`-th decline reads anyway, so a disk that got faster (a warm page cache) is seen
 again. Both rates are exponential averages, so a few slow samples do not decide for good.
+
+The rates outlive the process in a small JSON file in the SSD directory, per model fingerprint
+(`rates_file`): the SSD's hits come mostly right after a restart, when nothing would be measured yet.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Samples of fewer tokens are not rates: a step's fixed cost dominates a short prefill or read.
 MIN_SAMPLE_TOKENS = 256
@@ -83,8 +94,40 @@ class RestoreChoice:
         self.declined += 1
         return False
 
+    def load(self, path: str | Path) -> None:
+        """Start from the rates a previous run saved at `path` (missing or unreadable: from nothing)."""
+        try:
+            saved = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return
+        for rate, key in ((self.read, "read_s_per_token"), (self.prefill, "prefill_s_per_token")):
+            value = saved.get(key) if isinstance(saved, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                rate.s_per_token, rate.samples = float(value), 0
+
+    def save(self, path: str | Path) -> None:
+        """Keep the rates at `path` for the next run (written whole, then renamed into place)."""
+        target = Path(path)
+        data = {"read_s_per_token": self.read.s_per_token, "prefill_s_per_token": self.prefill.s_per_token}
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".rates-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, target)
+        except OSError as e:  # a cache directory gone or read-only costs the next run its head start only
+            log.warning("could not keep the SSD read rates at %s: %s", target, e)
+
     def as_dict(self) -> dict[str, Any]:
         ms = (lambda r: None if r.s_per_token is None else round(r.s_per_token * 1e3, 4))
         return {"enabled": self.enabled, "read_ms_per_token": ms(self.read), "reads_measured": self.read.samples,
                 "prefill_ms_per_token": ms(self.prefill), "prefills_measured": self.prefill.samples,
                 "declined": self.declined, "explored": self.explored}
+
+
+def rates_file(ssd_dir: str | None, fingerprint: str) -> Path | None:
+    """Where a model's rates are kept: beside its SSD tier's files (None: no SSD tier, nothing to keep)."""
+    if not ssd_dir:
+        return None
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]  # a fingerprint may hold any character
+    return Path(ssd_dir) / f"read-rates-{digest}.json"

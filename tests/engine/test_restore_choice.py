@@ -78,7 +78,7 @@ def test_a_disk_measured_fast_is_read_and_the_read_is_measured(tiny_model_dir, t
     monkeypatch.setattr(restore_choice, "MIN_SAMPLE_TOKENS", 1)  # the tiny prompt's read counts as a rate
     eng = _restarted(tiny_model_dir, tmp_path)
     try:
-        _set_rates(eng, read_s=1.0, prefill_s=1.0)
+        _set_rates(eng, read_s=0.001, prefill_s=1.0)  # (the first run's prefill, kept, is in the average)
         text, events = run(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
         assert text == cold_texts["Where?"]
         assert events[-1].usage.cache_tier == "ssd" and events[-1].usage.cached_tokens >= 16
@@ -107,3 +107,43 @@ def test_ssd_reads_setting_is_checked() -> None:
 
     with pytest.raises(ValueError, match="ssd_reads"):
         CacheConfig(ssd_reads="never")
+
+
+def test_the_rates_outlive_a_restart_so_its_first_ssd_hit_is_chosen_too(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                         cold_texts):
+    """The SSD's hits come right after a restart: the rates the last run measured are kept beside the
+    SSD's files, so a disk known to be slow is not read even once more."""
+    config = cache_config(tmp_path)
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    run(collect(eng, request(eng, LONG + "Who?", max_tokens=20)))
+    _set_rates(eng, read_s=10.0, prefill_s=1.0)
+    run(eng.shutdown())
+    assert list((tmp_path / "ssd").glob("read-rates-*.json"))
+    eng = make_engine(tiny_model_dir, store_factory=default_store, cache=config)
+    try:
+        text, events = run(collect(eng, request(eng, LONG + "Where?", max_tokens=20)))
+        assert text == cold_texts["Where?"]
+        assert events[-1].usage.cached_tokens == 0
+        reads = eng.stats()["ssd_reads"]
+        assert reads["declined"] == 1 and reads["read_ms_per_token"] == 10.0
+    finally:
+        run(eng.shutdown())
+
+
+def test_saved_rates_round_trip_and_a_damaged_file_is_ignored(tmp_path) -> None:
+    from engine.restore_choice import rates_file
+
+    path = rates_file(str(tmp_path), "tiny:/some/dir@abc")
+    assert path is not None and path.parent == tmp_path and rates_file(None, "abc123") is None
+    choice = RestoreChoice()
+    choice.record_read(1000, 2.0)
+    choice.save(path)
+    again = RestoreChoice()
+    again.load(path)
+    assert again.read.s_per_token == 2e-3 and again.prefill.s_per_token is None
+    path.write_text("{not json")
+    fresh = RestoreChoice()
+    fresh.load(path)
+    assert fresh.read.s_per_token is None
+    fresh.load(tmp_path / "missing.json")
+    assert fresh.read.s_per_token is None
