@@ -68,18 +68,25 @@ class Prepared:
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
-def private_copy(a: mx.array) -> mx.array:
+def private_copy(a: mx.array, stream: Any = None) -> mx.array:
     """A bit-exact copy of `a` in a buffer of its own (an integer add of 0 on its bits: no float
-    rounding, NaN payloads kept). See `prepare_block`'s `private`."""
+    rounding, NaN payloads kept), made on `stream` (None: the default one). See `prepare_block`'s
+    `private`."""
     bits = _BITS[a.itemsize]
     if a.dtype == bits:
-        return a + 0
-    return mx.view(mx.view(a, bits) + 0, a.dtype)
+        return mx.add(a, 0, stream=stream)
+    return mx.view(mx.add(mx.view(a, bits), 0, stream=stream), a.dtype)
 
 
-def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str], private: bool = False) -> str:
+# `private` values: False (the writer reads the arrays themselves), True (device copies), or STAGED.
+STAGED = "staged"
+
+
+def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str], private: bool | str = False) -> str:
     if isinstance(a, mx.array) and private:
         a = private_copy(a)
+        if private == STAGED:  # the host copy made by MLX's CPU stream from the device copy
+            a = private_copy(a, stream=mx.cpu)
     if isinstance(a, mx.array) and a.dtype == mx.bfloat16:  # numpy has no bfloat16: ship the bits
         a = mx.view(a, mx.uint16)
         bf16.append(name)
@@ -87,7 +94,7 @@ def _name(a: Any, name: str, arrays: dict[str, Any], bf16: list[str], private: b
     return name
 
 
-def _layout(tree: Any, prefix: str, arrays: dict[str, Any], bf16: list[str], private: bool) -> dict[str, Any]:
+def _layout(tree: Any, prefix: str, arrays: dict[str, Any], bf16: list[str], private: bool | str) -> dict[str, Any]:
     """A JSON-able description of a state tree; arrays go to `arrays` under `prefix.k` names.
     Lists and tuples stay apart: mlx-lm's `from_state` setters rely on which is which (an
     `ArraysCache` assigns into its list)."""
@@ -103,10 +110,13 @@ def _started(arrays: dict[str, Any], meta: dict[str, Any]) -> Prepared:
     return Prepared(arrays, meta)
 
 
-def prepare_block(block: Block, private: bool = False) -> Prepared:
+def prepare_block(block: Block, private: bool | str = False) -> Prepared:
     """MLX thread: a block's arrays named for storage, started, not waited for.
 
-    `private`: the arrays the writer reads are copies, not the block's own. Why: on MLX's CUDA
+    `private`: the arrays the writer reads are copies, not the block's own; STAGED: copies of those
+    copies made by MLX's CPU stream, so that the device-to-host transfer a host read makes (see
+    below) runs in MLX's CPU worker, not at `to_host` on the engine's MLX thread (a synchronous
+    `cudaMemcpy` there). Why copies at all: on MLX's CUDA
     backend a host read of an array (`to_host`: numpy's view of it) moves its buffer out of device
     memory into managed memory for good, so every later GPU read of the block (a RAM hit's
     restore) pulls its pages back over the bus, and its buffer, once freed, is handed to new
@@ -127,7 +137,7 @@ def prepare_block(block: Block, private: bool = False) -> Prepared:
     return _started(arrays, meta)
 
 
-def prepare_tail(tail: Tail, private: bool = False) -> Prepared:
+def prepare_tail(tail: Tail, private: bool | str = False) -> Prepared:
     """MLX thread: a KV tail's arrays (the tokens past its parent block, never quantized) named for
     storage under its parent, started, not waited for. Tails with an exact state are not stored.
     `private`: as `prepare_block`'s."""
@@ -142,7 +152,7 @@ def prepare_tail(tail: Tail, private: bool = False) -> Prepared:
     return _started(arrays, meta)
 
 
-def prepare_state(state: ExactState, private: bool = False) -> Prepared:
+def prepare_state(state: ExactState, private: bool | str = False) -> Prepared:
     """MLX thread: an exact state's arrays named for storage, started, not waited for.
     `private`: as `prepare_block`'s."""
     arrays: dict[str, Any] = {}

@@ -36,7 +36,11 @@ class CacheConfig:
     # backend only, where a host read moves an array out of device memory for good and a later RAM
     # hit of it paid 22x (cache_tiers/ssd.py, benchmarks/device/host_reads.py). Measured there (H200,
     # smollm2 shape, the prefix part in process, one run): a prefix hit's TTFT p50 45.8 ms with copies
-    # against 57.2 ms without, plain steps 7.65 against 9.15 ms. true / false to force.
+    # against 57.2 ms without, plain steps 7.65 against 9.15 ms. true / false to force. "staged": as
+    # true, and the copy the writer reads is made from the device copy by MLX's CPU stream, so the
+    # device-to-host transfer runs in MLX's CPU worker, not on the engine's MLX thread (`codec.to_host`,
+    # a synchronous cudaMemcpy there: what was left of the SSD tier's cost on 1B throughput, 0.84-0.86x).
+    # Session 22, not yet measured on a device: an A/B (docs/accelerators.md).
     host_copies: bool | str = "auto"
     # Whether an SSD hit is read back: "auto", unless reading was measured to be more than 1.5x slower
     # per token than this engine's prefills (then it is computed again; engine/restore_choice.py:
@@ -64,8 +68,8 @@ class CacheConfig:
             raise ValueError(f'cache.ssd_write must be "through" or "idle", got {self.ssd_write!r}')
         if self.ssd_reads not in ("auto", "always"):
             raise ValueError(f'cache.ssd_reads must be "auto" or "always", got {self.ssd_reads!r}')
-        if self.host_copies not in (True, False, "auto"):
-            raise ValueError(f'cache.host_copies must be true, false or "auto", got {self.host_copies!r}')
+        if self.host_copies not in (True, False, "auto", "staged"):
+            raise ValueError(f'cache.host_copies must be true, false, "auto" or "staged", got {self.host_copies!r}')
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError("cache.quantize_bits must be 4, 8 or null")
         if self.quantize_group_size not in (32, 64, 128):  # what mx.quantize supports

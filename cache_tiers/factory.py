@@ -55,7 +55,8 @@ def build_store(config: CacheConfig, fingerprint: str, *, storage: Storage | Non
             error = f"{type(e).__name__}: {e}"
             log.warning("prefix cache: SSD tier disabled, cannot open %s: %s", config.ssd_dir, e)
     if storage is not None:
-        copies = host_copies if config.host_copies == "auto" else bool(config.host_copies)
+        copies: bool | str = host_copies if config.host_copies == "auto" else \
+            config.host_copies if config.host_copies == "staged" else bool(config.host_copies)
         ssd = SsdTier(storage, fingerprint, config.block_size, config.write_queue, queue_bytes, copies)
     ram = RamTier(ram_budget(config, total_memory))
     quant = None

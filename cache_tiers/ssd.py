@@ -28,6 +28,9 @@ written, then frees the written ones together and empties MLX's buffer cache at 
 (`_release`), so that no buffer a host read moved is handed to the engine's next arrays. That is
 done when RELEASE_BYTES of copies are written, and whenever the engine is idle. A Mac's unified
 memory (and the CPU) has nothing to move: there the writer reads the blocks' own arrays.
+`host_copies="staged"` adds a copy of each device copy made by MLX's CPU stream, which is what the
+writer reads: the device-to-host transfer then runs in MLX's CPU worker, not in `tick`'s
+`codec.to_host` on the MLX thread (an A/B for CUDA; codec.prepare_block).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class _Write:
 
 class SsdTier:
     def __init__(self, storage: Storage, fingerprint: str, block_size: int,
-                 queue_items: int = 4096, queue_bytes: int = 2**30, host_copies: bool = False) -> None:
+                 queue_items: int = 4096, queue_bytes: int = 2**30, host_copies: bool | str = False) -> None:
         self.storage = storage
         self.fingerprint = fingerprint
         self.block_size = block_size

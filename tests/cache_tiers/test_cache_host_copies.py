@@ -55,7 +55,7 @@ def _handed(monkeypatch) -> list[codec.HostEntry]:
     return seen
 
 
-@pytest.mark.parametrize("host_copies", [True, False])
+@pytest.mark.parametrize("host_copies", [True, "staged", False])
 def test_the_writer_reads_copies_never_the_arrays_ram_keeps(tmp_path, monkeypatch, host_copies):
     seen = _handed(monkeypatch)
     s = store(tmp_path, host_copies=host_copies)
@@ -73,7 +73,7 @@ def test_rows_written_from_copies_are_the_same_bytes(tmp_path):
     original = kv_cache(100, dtype=mx.bfloat16)
     keys = [bkey(toks(100), k) for k in range(6)]
     rows = {}
-    for sub, copies in (("copies", True), ("own", False)):
+    for sub, copies in (("copies", True), ("staged", "staged"), ("own", False)):
         s = store(tmp_path / sub, host_copies=copies)
         s.offer(toks(100), original, "finished")
         s.close()
@@ -82,7 +82,7 @@ def test_rows_written_from_copies_are_the_same_bytes(tmp_path):
         hit = s.lookup(toks(100) + [5])
         assert hit.tier == "ssd" and hit.num_tokens == 100 and same_kv(hit.cache, original, 100)
         s.close()
-    assert all(rows["copies"]) and rows["copies"] == rows["own"]
+    assert all(rows["copies"]) and rows["copies"] == rows["own"] == rows["staged"]
 
 
 def test_written_copies_are_freed_together_with_the_buffer_cache(tmp_path, monkeypatch):
@@ -155,5 +155,39 @@ def test_host_copies_auto_follows_the_backend_and_can_be_forced(tmp_path):
 
     assert copies("auto", True) and not copies("auto", False)
     assert copies(True, False) and not copies(False, True)
+    assert copies("staged", False) == "staged"
     with pytest.raises(ValueError, match="host_copies"):
         CacheConfig(host_copies="yes")
+
+
+def test_staged_copies_come_from_the_cpu_stream_and_keep_the_device_copy_until_written(tmp_path, monkeypatch):
+    """`host_copies: staged`: what the writer reads is a copy made by MLX's CPU stream of a device
+    copy (here both on the CPU): bit-exact, in a buffer of neither RAM's array nor the device copy's,
+    and the held copy is the one the writer reads (freed with the rest once written)."""
+    block = _first_block(tmp_path)
+    streams = []
+    real = codec.private_copy
+    monkeypatch.setattr(codec, "private_copy", lambda a, stream=None: streams.append(stream) or real(a, stream))
+    staged = codec.prepare_block(block, codec.STAGED)
+    monkeypatch.setattr(codec, "private_copy", real)
+    assert streams and streams[0::2] == [None] * (len(streams) // 2) and streams[1::2] == [mx.cpu] * (len(streams) // 2)
+    plain = codec.prepare_block(block, True)
+    names = [n for n in staged.arrays if n != "tokens"]
+    assert names
+    for name in names:
+        a, b = staged.arrays[name], plain.arrays[name]
+        mx.eval(a, b)
+        assert _bits(a) == _bits(b)
+    own = {_ptr(a) for a in block.arrays}
+    assert own.isdisjoint(_ptr(staged.arrays[n]) for n in names)
+    s = store(tmp_path / "s", host_copies="staged")
+    s.offer(toks(32), kv_cache(32), "finished")
+    s.tick()
+    s.tick()
+    assert s.ssd.held_copies == 2
+    s.flush()
+    s.tick(drain=True)
+    assert s.ssd.held_copies == 0
+    ssd_only(s)
+    assert s.lookup(toks(32) + [1]).num_tokens == 32
+    s.close()
