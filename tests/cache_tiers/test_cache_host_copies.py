@@ -90,24 +90,25 @@ def test_written_copies_are_freed_together_with_the_buffer_cache(tmp_path, monke
     monkeypatch.setattr(ssd_mod.mx, "clear_cache", lambda: cleared.append(1))
     one_block = codec.prepare_block(_first_block(tmp_path)).nbytes
     monkeypatch.setattr(ssd_mod, "RELEASE_BYTES", 3 * one_block)
-    s = store(tmp_path / "s", host_copies=True)
-    s.offer(toks(32), kv_cache(32), "finished")  # 2 blocks: written, held, below the release size
-    s.tick()
-    s.tick()
-    s.flush()
-    s.tick()
+    disk = FlakyStorage(str(tmp_path / "ssd"))
+    s = store(storage=disk, host_copies=True)
+
+    def handed_then_written(n: int) -> None:
+        """Offer the first n tokens; the writer takes nothing until both ticks have handed them over
+        (else a fast writer can finish some in between, and a release comes a tick earlier)."""
+        disk.gate.clear()
+        s.offer(toks(n), kv_cache(n), "finished")
+        s.tick()
+        s.tick()
+        disk.gate.set()
+        s.flush()
+        s.tick()
+
+    handed_then_written(32)  # 2 blocks: written, held, below the release size
     assert s.ssd.held_copies == 2 and not cleared
-    s.offer(toks(64), kv_cache(64), "finished")  # 2 more: 4 written blocks pass it
-    s.tick()
-    s.tick()
-    s.flush()
-    s.tick()
+    handed_then_written(64)  # 2 more: 4 written blocks pass it
     assert s.ssd.held_copies == 0 and len(cleared) == 1 and s.ssd.releases == 1
-    s.offer(toks(80), kv_cache(80), "finished")  # one more block: freed once idle
-    s.tick()
-    s.tick()
-    s.flush()
-    s.tick()
+    handed_then_written(80)  # one more block: freed once idle
     assert s.ssd.held_copies == 1 and len(cleared) == 1
     s.tick(drain=True)
     assert s.ssd.held_copies == 0 and len(cleared) == 2
