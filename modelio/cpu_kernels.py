@@ -62,7 +62,8 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return _finish_silu(gu, p, bits.view(mx.float32))
 
 
-def softmax(x: mx.array) -> mx.array:
-    """Softmax over the last axis, computed with `fast_exp`."""
+def softmax_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """Softmax over the last axis as its numerators (computed with `fast_exp`) and their sums:
+    attention divides its product with the values by the sums, a pass fewer over the scores."""
     e = fast_exp(x - mx.max(x, axis=-1, keepdims=True))
-    return e / mx.sum(e, axis=-1, keepdims=True)
+    return e, mx.sum(e, axis=-1, keepdims=True)

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
-from modelio.cpu_kernels import silu_mul, softmax
+from modelio.cpu_kernels import silu_mul, softmax_parts
 
 log = logging.getLogger("pomona.models")
 
@@ -54,22 +54,24 @@ FAST_SILU_MIN_ROWS = 2
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any) -> mx.array:
     """softmax(q k^T * scale + mask) v with grouped KV heads; what MLX's CPU fallback of
-    `scaled_dot_product_attention` computes, with `cpu_kernels.softmax`."""
+    `scaled_dot_product_attention` computes, with `cpu_kernels.softmax_parts`."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     rep = H // Hk
     q = (q * scale).reshape(B, Hk, rep * L, D)
     scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
-    if isinstance(mask, str):  # "causal": query i sees keys up to S - L + i
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if isinstance(mask, str):  # "causal": query i sees keys up to S - L + i (one query: all of them)
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None] if L > 1 else None
     if mask is not None:
         mask = _grouped(mask, H, Hk, rep)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    probs = softmax(scores).reshape(B, Hk, rep * L, S)
-    return (probs @ v).reshape(B, H, L, D)
+    # Normalised after the product (as `_attend`): a pass fewer over the scores (decode at 6,500 keys,
+    # SmolLM2's heads: 47.1 -> 45.1 ms over 30 layers with the causal mask of one query dropped).
+    weights, sums = softmax_parts(scores)
+    return ((weights.reshape(B, Hk, rep * L, S) @ v) / sums.reshape(B, Hk, rep * L, 1)).reshape(B, H, L, D)
 
 
 # Bytes of float32 scores one NumPy pass materialises at most: longer chunks are split by query rows
