@@ -417,32 +417,45 @@ class TieredStore:
         quant = None
         if self.quant is not None and n >= self.quant.min_tokens:
             quant = (self.quant.bits, self.quant.group_size)
-        new = blk.cut_blocks(parts, chain, toks, have, k, bs, quant, offset=start)
+        self._keep_blocks(blk.cut_blocks(parts, chain, toks, have, k, bs, quant, offset=start), self._seed(salt))
+        if k * bs < n:  # the tokens past the last whole block: RAM, and the SSD under a block
+            tail = blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks, offset=start)
+            self.ram.add_tail(tail, self._seed(salt))
+            # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
+            # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.
+            if k and not exact and kind == "finished":
+                self._keep_tail(tail)
+        elif exact:  # on a boundary: the exact state there, in both tiers
+            state = blk.exact_state(parts, chain[k - 1])
+            if state is not None and self.ram.state_at(chain[k - 1]) is None:
+                queued = self._write_through(state)
+                if not self.ram.add_state(state, persisted=queued) and self.ssd is not None and not queued:
+                    self._demote(state, False)
+
+    def _write_through(self, item: Block | ExactState | Tail) -> bool:
+        """Hand `item` to the SSD now (write-through); False if not (no SSD, `ssd_write: idle`, or
+        no room in the writer's backlog: RAM keeps it as not written, `tick` offers it again)."""
+        return self.ssd is not None and self.write_through and self.ssd.offer(item)
+
+    def _keep_blocks(self, new: list[Block], seed: bytes) -> None:
+        """An offer's new blocks into RAM and, each once, to the SSD."""
         self.blocks_offered += len(new)
-        seed = self._seed(salt)
-        through = self.ssd is not None and self.write_through
         for b in new:
-            queued = self.ssd.offer(b) if through else False
+            queued = self._write_through(b)
             if b.parent is not None:
                 self._tails_due.pop(b.parent, None)  # a block under it makes that tail stale
             if not self.ram.add(b, persisted=queued, root=seed) and self.ssd is not None and not queued:
                 self._demote(b, False)
-        if k * bs < n:  # the tokens past the last whole block: RAM, and the SSD under a block
-            tail = blk.cut_tail(parts, k * bs, chain[k - 1] if k else None, toks, offset=start)
-            self.ram.add_tail(tail, seed)
-            # The SSD gets a finished request's tail (what the next turn, or the same prompt again,
-            # continues from), not its prompt's or a checkpoint's, which the finish supersedes at once.
-            if self.ssd is not None and k and not exact and kind == "finished" and not (through and self.ssd.offer(tail)):
-                self._tails_due[tail.parent] = tail  # written once the writer has room (`tick`)
-                self._tails_due.move_to_end(tail.parent)
-                while len(self._tails_due) > TAILS_DUE_MAX:
-                    self._tails_due.popitem(last=False)
-        elif exact:  # on a boundary: the exact state there, in both tiers
-            state = blk.exact_state(parts, chain[k - 1])
-            if state is not None and self.ram.state_at(chain[k - 1]) is None:
-                queued = self.ssd.offer(state) if through else False
-                if not self.ram.add_state(state, persisted=queued) and self.ssd is not None and not queued:
-                    self._demote(state, False)
+
+    def _keep_tail(self, tail: Tail) -> None:
+        """A finished offer's tail to the SSD, now or once the writer has room (`tick`)."""
+        if self.ssd is None or self._write_through(tail):
+            return
+        assert tail.parent is not None
+        self._tails_due[tail.parent] = tail
+        self._tails_due.move_to_end(tail.parent)
+        while len(self._tails_due) > TAILS_DUE_MAX:
+            self._tails_due.popitem(last=False)
 
     def _demote(self, item: Block | ExactState, persisted: bool) -> None:
         if not persisted and self.ssd is not None and self.ssd.offer(item):
