@@ -61,10 +61,12 @@ def test_the_sse_response_closes_its_runs_when_its_task_is_cancelled() -> None:
     closed: list[str] = []
 
     async def body():
+        # No await between items: the cancellation lands in `send` (a slow client), never inside
+        # the body, whose own frame would then run its cleanup still cancelled (and skip it). Where
+        # it lands decided the outcome before, and CI saw ["runs"] once.
         try:
             while True:
                 yield "data: x\n\n"
-                await anyio.sleep(0.01)
         finally:
             await anyio.sleep(0)  # cleanup that awaits (as a dialect's stream does)
             closed.append("body")
@@ -74,7 +76,7 @@ def test_the_sse_response_closes_its_runs_when_its_task_is_cancelled() -> None:
         closed.append("runs")
 
     async def send(message: dict) -> None:
-        await anyio.sleep(0)
+        await anyio.sleep(0.01)
 
     async def receive() -> dict:
         await anyio.sleep(10)
