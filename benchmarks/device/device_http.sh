@@ -50,6 +50,10 @@
 #          (SPEC_MODEL, default /tmp/models/smollm2-real: the default model's directory, carried), code-edit,
 #          random and agent workloads at 1, 8, 32 (SPEC_LEVELS, SPEC_WORKLOADS, SPEC_ON, SPEC_TOKENS; SPEC_FLAGS, e.g.
 #          "--repeats 2 --alone 8": warm shapes, and batched greedy output against each prompt alone). $OUT/spec$SPEC_TAG.log.
+# restore: benchmarks/engine/restore_stall.py on the agent model: an SSD hit after a restart, a second one, then a RAM
+#          hit of a RESTORE_TOKENS-token prompt (15000) beside two decoding streams; its last line is what the
+#          engine learned of SSD reads against prefills (`cache.ssd_reads`). ~60 s; RESTORE_TIMEOUT (240 s).
+#          $OUT/restore_stall.log.
 # goals:   benchmarks/device/device_goals.py: the ratios from whichever of those files $OUT holds (each
 #          part also prints its own). Each part runs under `timeout -s INT -k 45` (on the interrupt the
 #          benchmark stops its servers and keeps what it measured) and reports its time as "[part] N s".
@@ -192,6 +196,12 @@ for what in ${1//,/ }; do
         { tail -c 2000 "$run/logs/ssd_growth.stderr"; leftovers "$run" "$SSD_PORT"; }
       tar -czf "$OUTDIR/logs-ssd.tgz" -C "$run" logs
       python3 -m benchmarks.device.device_goals --shape "$SHAPE" --ssd "$OUTDIR/ssd-$SHAPE.json" --only-given ;;
+    restore)
+      M=$(agent_model) || { echo "[restore] could not build the $SHAPE model"; continue; }
+      bounded "${RESTORE_TIMEOUT:-240}" python3 -m benchmarks.engine.restore_stall --model "$M" \
+        --tokens "${RESTORE_TOKENS:-15000}" >"$OUTDIR/restore_stall.log" 2>/tmp/restore_stall.stderr ||
+        tail -c 2000 /tmp/restore_stall.stderr
+      grep -v '^{' "$OUTDIR/restore_stall.log" ;;
     goals)
       python3 -m benchmarks.device.device_goals --shape "$SHAPE" --dir "$OUTDIR" ;;
     *) echo "unknown part $what" ;;
