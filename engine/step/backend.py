@@ -64,6 +64,10 @@ class StepBackend:
     spec_fixed_positions: int
     # Most decoding rows with which a step still verifies proposals (None: no limit).
     spec_max_rows: int | None
+    # Whether a step verifies only where its timed cost was measured to pay (`SpecGate`): a GPU's
+    # verifying step gives up overlapping the next step's building with the device's work, which
+    # can cost as much as the step; a CPU's step never overlapped much (its row limit instead).
+    spec_gate: bool
     # Where a step's time (for the stall budget) is measured: a CPU step's forward mostly runs while
     # it is built (the fast paths evaluate as they go), so a call's time is the step it built; a GPU
     # step runs between two read-backs, so that time is the step read.
@@ -73,10 +77,11 @@ class StepBackend:
 CPU = StepBackend(on_cpu=True, position_block=POSITION_BLOCK_CPU, flat=True, exact_rows=True, exact_keys=True,
                   prefill_together=False, bucketed_prefill=False, fixed_verify_width=False,
                   spec_fixed_positions=SPEC_FIXED_POSITIONS_CPU, spec_max_rows=SPEC_MAX_ROWS_CPU,
-                  runs_while_built=True)
+                  spec_gate=False, runs_while_built=True)
 GPU = StepBackend(on_cpu=False, position_block=POSITION_BLOCK_GPU, flat=False, exact_rows=False, exact_keys=False,
                   prefill_together=True, bucketed_prefill=True, fixed_verify_width=True,
-                  spec_fixed_positions=SPEC_FIXED_POSITIONS_GPU, spec_max_rows=None, runs_while_built=False)
+                  spec_fixed_positions=SPEC_FIXED_POSITIONS_GPU, spec_max_rows=None, spec_gate=True,
+                  runs_while_built=False)
 
 
 def step_backend(on_cpu: bool, flat_supported: bool) -> StepBackend:

@@ -76,11 +76,11 @@ def parse_speculative(value: Any) -> "str | SpecConfig":
 # process, `bash benchmarks/device/device_http.sh spec`, benchmarks/results/device-s17/): one
 # decoding row gained on every workload (code-edit 3.00x, random text 1.26-1.60x, the agent
 # session's turns 1.39x); at 8 rows code-edit 2.37x and random 1.23x but the agent turns lost
-# (0.62x), and at 32 random text lost (0.80x). So on a GPU `auto` proposes while one row decodes
-# (AUTO_MAX_ROWS_GPU); an explicit mapping has no row limit there.
+# (0.62x), and at 32 random text lost (0.80x). So on a GPU a step verifies only while the rows'
+# expected acceptance pays for the slower, non-overlapped step, as timed there (`SpecGate`),
+# whatever the rows (it was one row under `auto` until session 23).
 AUTO_ON_CPU = True
 AUTO_ON_GPU = True
-AUTO_MAX_ROWS_GPU = 1
 
 
 def resolve(value: "str | SpecConfig", on_cpu: bool) -> SpecConfig | None:
@@ -214,6 +214,9 @@ class Adaptive:
         self._max_backoff = max_backoff
         self._wait = 0  # steps left without proposals
         self._probe = False
+        # How often a lookup asked for proposals found some (decayed, a prior of one found in one):
+        # a row whose context holds no match proposes nothing, so it adds nothing a step can expect.
+        self._found, self._asked = 1.0, 1.0
 
     @property
     def q(self) -> float:
@@ -231,16 +234,35 @@ class Adaptive:
             return 0
         if self._probe:
             return 1
-        q = self.q
-        if q < max(floor, 1e-6):
+        k = self._k(floor)
+        if k == 0:
             self._wait = self._backoff
             self._backoff = min(self._max_backoff, 2 * self._backoff)
+        return k
+
+    def _k(self, floor: float) -> int:
+        q = self.q
+        if q < max(floor, 1e-6):
             return 0
         k, chance = 1, q * q
         while k < self.limit and chance >= floor:
             k += 1
             chance *= q
         return k
+
+    def expected(self, floor: float = 0.0) -> float:
+        """The tokens this row's proposals would add to a step now, expected (no step counted):
+        sum of q**j over the k it would propose, times how often its lookups find something."""
+        if self._wait > 0:
+            return 0.0
+        q = self.q
+        k = 1 if self._probe else self._k(floor)
+        return (self._found / self._asked) * sum(q ** j for j in range(1, k + 1))
+
+    def record_lookup(self, found: bool) -> None:
+        """A lookup for this row's proposals found some (or none)."""
+        self._found = self.decay * self._found + found
+        self._asked = self.decay * self._asked + 1
 
     def record(self, proposed: int, taken: int) -> None:
         if proposed <= 0:
@@ -252,6 +274,59 @@ class Adaptive:
             self._probe = False
             if taken:  # the context pays again: the next back-off starts short
                 self._backoff = self._base_backoff
+
+
+class SpecGate:
+    """Whether a step that verifies proposals pays for the overlap it gives up, from steps measured.
+
+    Why: a row proposes only once the host knows its last token, so a verifying step reads the step
+    in flight first and is built while the device waits (engine/step/step_runner.py `step`). Where
+    the step is bound by the host building it (a GPU), a verifying step then costs up to two plain
+    ones: on the H200 at 8 rows the agent turns' proposals (few accepted) lost 0.62-0.81x while code
+    edits (most accepted) gained 2.37x (docs/accelerators.md). So the runner times steps of both
+    kinds by their decoding rows (moving averages per power-of-two bucket) and verifies while the
+    tokens the rows' proposals are expected to add (`Adaptive.expected`) pay for the slower step:
+    (rows + expected) / verifying period >= rows / plain period. A kind not yet timed at a size is
+    tried (a plain step first), and every `explore_every` declined steps one verifies anyway, so a
+    period measured long ago under another load is measured again.
+    """
+
+    def __init__(self, explore_every: int = 64, weight: float = 0.2) -> None:
+        self.explore_every = explore_every
+        self.weight = weight
+        self._period: dict[tuple[bool, int], float] = {}  # (verifying, rows bucket) -> seconds a step
+        self._declined = 0
+        self.declined_steps = 0  # for the step report
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << (max(rows, 1) - 1).bit_length()
+
+    def record(self, verifying: bool, rows: int, seconds: float) -> None:
+        """One step's period (from the previous step's end to its own) of that kind."""
+        key = (verifying, self.bucket(rows))
+        old = self._period.get(key)
+        self._period[key] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def period(self, verifying: bool, rows: int) -> float | None:
+        return self._period.get((verifying, self.bucket(rows)))
+
+    def pays(self, rows: int, expected: float) -> bool:
+        """Verify this step? `expected`: the tokens the rows' proposals should add."""
+        if expected <= 0:
+            return False
+        plain, verify = self.period(False, rows), self.period(True, rows)
+        if plain is None:
+            return False  # time a plain step of this size first
+        if verify is None or (rows + expected) * plain >= rows * verify:
+            self._declined = 0
+            return True
+        self._declined += 1
+        if self._declined >= self.explore_every:
+            self._declined = 0
+            return True
+        self.declined_steps += 1
+        return False
 
 
 class PendingLookup:

@@ -34,7 +34,7 @@ from engine.step.kv_table import Batch, SlotKV, flat_views, layer_shapes, suppor
 from engine.step.plan import MIN_PREFILL_TOKENS, SlotTable, StallBudget, plan_prefill, round_up, row_bucket
 from engine.step.records import Slot, Work, merge
 from engine.step.sampling import first_token, process_logits, sample, sample_positions
-from engine.step.speculative import AUTO_MAX_ROWS_GPU, SpecConfig, accepted, new_state, resolve
+from engine.step.speculative import SpecConfig, SpecGate, accepted, new_state, resolve
 
 FLAT_EXTRA_POSITIONS = 4  # what a CPU flat forward's parts cost beyond a plain forward, in positions
 SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
@@ -89,11 +89,11 @@ class StepRunner:
         # tokens attend to, and the table keeps no copy to roll back to.
         self.speculative: SpecConfig | None = None if config.max_kv_size is not None \
             else resolve(config.speculative, self._backend.on_cpu)
-        # Most decoding rows with which a step still proposes: the backend's floor, and on a GPU
-        # under "auto" the rows it was measured to pay at (engine/step/speculative.py).
+        # Most decoding rows with which a step still proposes (a CPU's floor), and where a verifying
+        # step gives up the overlap, whether it pays for that, as measured (`SpecGate`).
         self._spec_rows = self._backend.spec_max_rows
-        if config.speculative == "auto" and not self._backend.on_cpu:
-            self._spec_rows = AUTO_MAX_ROWS_GPU
+        self._gate = SpecGate() if self._backend.spec_gate else None
+        self._last_end: float | None = None  # when the previous step call ended (the gate's periods)
         self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
         self._draft: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft":
@@ -224,7 +224,8 @@ class StepRunner:
     def counters(self) -> dict[str, Any]:
         decode_s = self._stall.decode_s  # moving average of steps that only decode: the steady decode rate
         return {"kind": "pomona", **self._counts, "shapes": len(self._shapes_seen),
-                "decode_step_ms": round(1000 * decode_s, 3) if decode_s else 0.0}
+                "decode_step_ms": round(1000 * decode_s, 3) if decode_s else 0.0,
+                "spec_declined_steps": self._gate.declined_steps if self._gate is not None else 0}
 
     def close(self) -> None:
         self._slots.clear()
@@ -234,13 +235,14 @@ class StepRunner:
         """Start this step, then read back the previous one (its tokens were computed meanwhile)."""
         started = time.perf_counter()
         read = self._inflight
-        if self._reads_first():
+        read_first, gate_after = self._reads_first()
+        if read_first:
             # Proposals follow a row's last token, which the host must know: read back first (the
             # step no longer overlaps building the next one; on a CPU it never did much).
             self._inflight = None
             generated = self._read(read)
             built = time.perf_counter()
-            work = self._start(speculate=True)
+            work = self._start(speculate=True, gate=gate_after)
             ended = time.perf_counter()
             self._counts["wait_s"] += built - started
             self._counts["build_s"] += ended - built
@@ -252,32 +254,55 @@ class StepRunner:
             self._counts["build_s"] += built - started
             self._counts["wait_s"] += ended - built
         self._time(work, read, ended - started, ended)
+        self._time_kind(read_first, work, read, ended)
         self._inflight = work
         return (work.progress if work else []), generated
 
-    def _reads_first(self) -> bool:
-        """Whether this step may verify proposals: a decoding row proposes, or the step in flight
-        verified some (its rows' lengths are known only once read)."""
+    def _reads_first(self) -> tuple[bool, bool]:
+        """(Whether this step reads the one in flight first, so that it may verify proposals;
+        whether the gate is still to decide, once read, if it does.) It reads first when the step
+        in flight verified some (its rows' lengths are known only once read), or when a decoding
+        row would propose and, where a verifying step gives up the overlap, that was measured to
+        pay at the tokens the rows are expected to add (`SpecGate`)."""
         if self.speculative is None:
-            return False
+            return False, False
         if self._inflight is not None and self._inflight.verified:
-            return True
+            return True, self._gate is not None
         decoding = [s for s in self._slots.values() if not s.prefilling]
         if self._crowded(len(decoding)):  # none may propose: keep the overlap
-            return False
-        return any(not s.spec.adaptive.waiting for s in decoding)
+            return False, False
+        if self._gate is None:
+            return any(not s.spec.adaptive.waiting for s in decoding), False
+        floor = self._floor(len(decoding))
+        return self._gate.pays(len(decoding), sum(s.spec.adaptive.expected(floor) for s in decoding)), False
 
-    def _proposals(self, decode: list[Slot], speculate: bool) -> dict[Slot, list[int]]:
+    def _floor(self, rows: int) -> float:
+        """The acceptance chance a proposed position must have to pay for itself: it costs about
+        1 / (rows + fixed) of the step (`fixed`: the step's cost not per position, in positions),
+        and the step emits about `rows` tokens."""
+        return max(SPEC_MIN_FLOOR, rows / (rows + self._backend.spec_fixed_positions))
+
+    def _time_kind(self, read_first: bool, built: Work | None, read: Work | None, ended: float) -> None:
+        """Give the gate this step's period (since the previous call ended), as a verifying one
+        (read first: not overlapped) or a plain one, by its decoding rows; steps with prompt
+        chunks are left out (their period is the chunk's)."""
+        last, self._last_end = self._last_end, ended
+        if self._gate is None or last is None or built is None or not built.decoding:
+            return
+        if built.prefill_tokens or (read is not None and read.prefill_tokens):
+            return
+        self._gate.record(read_first, built.decoding, ended - last)
+
+    def _proposals(self, decode: list[Slot], speculate: bool, gate: bool = False) -> dict[Slot, list[int]]:
         """Each decoding row's proposals for this step (rows with none are left out). Every row's
-        controller counts the step, also when this step cannot speculate."""
+        controller counts the step, also when this step cannot speculate. `gate`: the step read
+        first because the one in flight verified; whether to verify again is the gate's (`SpecGate`)."""
         out: dict[Slot, list[int]] = {}
         if self.speculative is None:
             return out
-        # The acceptance chance a proposed position must have to pay for itself: it costs about
-        # 1 / (rows + fixed) of the step (`fixed`: the step's cost not per position, in positions),
-        # and the step emits about `rows` tokens.
-        fixed = self._backend.spec_fixed_positions
-        floor = max(SPEC_MIN_FLOOR, len(decode) / (len(decode) + fixed))
+        floor = self._floor(len(decode))
+        if speculate and gate and self._gate is not None:
+            speculate = self._gate.pays(len(decode), sum(s.spec.adaptive.expected(floor) for s in decode))
         # On a CPU a verifying step also costs its forward's extra parts, and with more rows
         # decoding the proposals measured a net loss (docs/measurements.md): none past a few rows.
         crowded = self._crowded(len(decode))
@@ -286,6 +311,7 @@ class StepRunner:
             if not speculate or crowded or k <= 0:
                 continue
             proposals = self._draft.propose(s.spec, s.known, k) if self._draft else s.spec.lookup.propose(s.known, k)
+            s.spec.adaptive.record_lookup(bool(proposals))
             for process in s.decoding.logits_processors:
                 if proposals and hasattr(process, "admissible"):  # a grammar: cut at its first refusal
                     proposals = proposals[:process.admissible(s.known[-1], proposals)]
@@ -294,14 +320,13 @@ class StepRunner:
         return out
 
     def _crowded(self, decoding: int) -> bool:
-        """Whether so many rows decode that none may propose (`StepBackend.spec_max_rows`, or
-        `AUTO_MAX_ROWS_GPU` under "auto" on a GPU)."""
+        """Whether so many rows decode that none may propose (`StepBackend.spec_max_rows`)."""
         limit = self._spec_rows
         return limit is not None and decoding > limit
 
-    def _start(self, speculate: bool = False) -> Work | None:
+    def _start(self, speculate: bool = False, gate: bool = False) -> Work | None:
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
-        verify = self._proposals(decode, speculate)
+        verify = self._proposals(decode, speculate, gate)
         waiting = [(s.request_id, len(s.rest) - s.fed) for s in self._slots.values() if s.prefilling]
         stall = self._stall.tokens(len(decode))
         if stall is None and decode and self._stall.ratio is not None:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.batch_generator import BatchGeneratorRunner as Runner  # mlx-lm's: the reference
 from engine.sampling import make_decoding
 from engine.step import speculative
-from engine.step.speculative import (Adaptive, PendingLookup, PromptLookup, SpecConfig, accepted, new_state,
+from engine.step.speculative import (Adaptive, PendingLookup, PromptLookup, SpecConfig, SpecGate, accepted, new_state,
                                      parse_speculative)
 from engine.step.step_runner import StepRunner
 from engine.types import SamplingParams
@@ -140,17 +140,114 @@ def test_the_gpus_step_verifies_in_one_padded_forward_and_matches(model, k):
     assert proposed > taken > 0
 
 
-def test_auto_on_a_gpu_proposes_for_one_decoding_row_only(model):
-    """H200: one decoding row gained on every workload, several lost on some (AUTO_MAX_ROWS_GPU)."""
-    jobs = echo_jobs(model, seed=7, n=1)
+class FixedGate(SpecGate):
+    """A gate whose verifying step always costs `cost` plain ones (nothing measured changes it)."""
+
+    def __init__(self, cost: float) -> None:
+        super().__init__(explore_every=10**9)
+        self.cost = cost
+
+    def record(self, verifying: bool, rows: int, seconds: float) -> None:
+        pass
+
+    def period(self, verifying: bool, rows: int) -> float | None:
+        return self.cost if verifying else 1.0
+
+
+def gated_runner(spec, seen: dict, gate: SpecGate | None):
+    """The GPU's step (run on the CPU) with `gate` in place of the one it measures (None: its own)."""
+    make = spec_runner(spec, seen, on_cpu=False)
+
+    def made(model, config):
+        runner = make(model, config)
+        if gate is not None:
+            runner._gate = gate  # noqa: SLF001 - our own class: a gate that measures nothing
+        return runner
+    return made
+
+
+@pytest.mark.parametrize("cost", [1.0, 100.0])
+def test_a_gpu_verifies_at_any_rows_only_where_the_gate_says_it_pays(model, cost):
+    """H200: one decoding row gained on every workload, several rows lost where few proposals were
+    accepted; so `auto` on a GPU has no row limit but a gate. A verifying step as cheap as a plain
+    one is taken whenever a row expects something at 8 rows; one costing 100 plain steps never is
+    (no row can add 99 tokens a row). Either way greedy output is the reference's."""
+    jobs = echo_jobs(model, seed=7, n=6, spread=4)
     seen: dict = {}
-    ours = drive(model, spec_runner("auto", seen, on_cpu=False), jobs, max_running=8)
+    ours = drive(model, gated_runner("auto", seen, FixedGate(cost)), jobs, max_running=8)
     assert_same(ours, drive(model, Runner, jobs, max_running=8))
-    assert counts(seen["runner"])[0] > 0  # a lone stream speculates
-    crowded = seen["runner"]._crowded  # noqa: SLF001 - our own class
-    assert not crowded(1) and crowded(2)
-    spec_runner(SpecConfig(), seen, on_cpu=False)(model, EngineConfig())
-    assert not seen["runner"]._crowded(32)  # noqa: SLF001 - an explicit mapping: no row limit on a GPU
+    runner = seen["runner"]
+    assert not runner._crowded(32)  # noqa: SLF001 - no row limit on a GPU
+    proposed, taken = counts(runner)
+    if cost == 1.0:
+        assert proposed > taken > 0 and runner.counters()["spec_declined_steps"] == 0
+    else:
+        assert proposed == 0 and runner.counters()["spec_declined_steps"] > 0
+
+
+class OnceGate(FixedGate):
+    """Says yes once (the first time a row expects something), then no."""
+
+    def pays(self, rows: int, expected: float) -> bool:
+        if expected <= 0 or getattr(self, "said", False):
+            return False
+        self.said = True
+        return True
+
+
+def test_after_a_verifying_step_the_gate_decides_the_next_one_too(model):
+    """A step after a verifying one must read first (its rows' lengths), but whether it verifies
+    again is still the gate's: a gate that said yes once gets one verifying step."""
+    jobs = echo_jobs(model, seed=9, n=3, spread=1)
+    seen: dict = {}
+    ours = drive(model, gated_runner("auto", seen, OnceGate(1.0)), jobs, max_running=8)
+    assert_same(ours, drive(model, Runner, jobs, max_running=8))
+    assert seen["runner"].counters()["spec_steps"] == 1
+
+
+def test_the_gpus_step_times_both_kinds_of_step_for_its_gate(model):
+    jobs = echo_jobs(model, seed=8, n=4, spread=2)
+    seen: dict = {}
+    drive(model, gated_runner("auto", seen, None), jobs, max_running=8)
+    gate = seen["runner"]._gate  # noqa: SLF001 - our own class
+    for verifying in (False, True):
+        assert any(gate.period(verifying, rows) for rows in (1, 2, 4, 8)), verifying
+    spec_runner("auto", seen, on_cpu=True)(model, EngineConfig())
+    assert seen["runner"]._gate is None  # noqa: SLF001 - a CPU's step overlaps little: its row limit instead
+
+
+def test_the_gate_verifies_while_the_expected_tokens_pay_for_the_slower_step():
+    gate = SpecGate(explore_every=4)
+    assert not gate.pays(8, 3.0)  # no plain step of 8 rows timed yet: time one first
+    gate.record(False, 8, 0.010)
+    assert gate.pays(8, 0.5)  # a verifying one not timed yet: try it
+    gate.record(True, 8, 0.020)  # twice a plain step
+    assert not gate.pays(8, 4.0)  # 12 tokens in 20 ms < 8 in 10
+    assert gate.pays(8, 8.0)  # 16 in 20 ms = 8 in 10
+    assert not gate.pays(8, 0.0)  # nothing expected: never
+    assert [gate.pays(7, 1.0) for _ in range(4)] == [False, False, False, True]  # 7 rows: bucket 8; explores
+    assert not gate.pays(16, 100.0)  # another bucket: its own periods
+    gate.record(True, 8, 0.010)  # a moving average: 20 -> 18 ms
+    assert gate.period(True, 5) == pytest.approx(0.018)
+    assert gate.declined_steps == 4
+
+
+def test_expected_tokens_follow_the_budget_without_counting_a_step():
+    a = Adaptive(8)
+    for _ in range(6):
+        a.record(4, 2)  # q = 2/3
+    q = a.q
+    assert a.expected(0.4) == pytest.approx(q + q * q)  # k = 2 at that floor
+    assert a.expected(0.4) == pytest.approx(q + q * q)  # nothing counted
+    assert a.budget(0.4) == 2
+    for _ in range(6):
+        a.record_lookup(False)  # its context stopped matching: it expects little
+    assert a.expected(0.4) < 0.2 * (q + q * q)
+    low = Adaptive(8)
+    for _ in range(6):
+        low.record(1, 0)
+    low.budget(0.1)
+    assert low.waiting and low.expected(0.1) == 0.0
 
 
 def test_a_finished_requests_cache_holds_no_rejected_position(model):
