@@ -113,20 +113,30 @@ async def leave_when(app: str, body: dict, phase: str, hold: dict | None = None)
     """Send `body` (and first `hold`, which keeps the one slot busy); disconnect it once it is in `phase`."""
     async with httpx.AsyncClient(base_url=app, timeout=120) as http:
         holder = asyncio.create_task(http.post("/v1/completions", json=hold)) if hold else None
-        if holder:
-            await asyncio.sleep(0.1)
-        task = asyncio.create_task(http.post("/v1/completions", json=body))
-        seen: dict = {}
-        for _ in range(2000):
-            entries = (await http.get("/admin/requests")).json()["data"][0]["requests"]
-            seen = next((e for e in entries if e["prompt_tokens"] == len(body["prompt"]) and e["phase"] == phase), {})
-            if seen or task.done():
-                break
-            await asyncio.sleep(0.01)
-        task.cancel()
-        if holder:
-            holder.cancel()
-        return seen
+        # The holder decodes before `body` is sent: `body` then queues behind it (a fixed sleep let a
+        # loaded box deliver `body` first, or catch it queued just as the holder ran out of tokens).
+        task = None
+        try:
+            if holder and not await _entry(http, len(hold["prompt"]), "decode", holder):
+                return {}
+            task = asyncio.create_task(http.post("/v1/completions", json=body))
+            return await _entry(http, len(body["prompt"]), phase, task)
+        finally:
+            for t in (task, holder):
+                if t is not None:
+                    t.cancel()
+
+
+async def _entry(http: httpx.AsyncClient, prompt_tokens: int, phase: str, task: asyncio.Task) -> dict:
+    """The engine's entry for the request of `prompt_tokens` tokens once it is in `phase` ({} if
+    `task`, that request, ended first)."""
+    for _ in range(2000):
+        entries = (await http.get("/admin/requests")).json()["data"][0]["requests"]
+        seen = next((e for e in entries if e["prompt_tokens"] == prompt_tokens and e["phase"] == phase), {})
+        if seen or task.done():
+            return seen
+        await asyncio.sleep(0.01)
+    return {}
 
 
 @pytest.mark.parametrize("phase", ["queued", "prefill", "decode"])
@@ -137,7 +147,7 @@ def test_disconnect_at_each_stage_frees_the_slot(base, phase):
     prompt = token_prompt(1900 if phase == "prefill" else 40, salt=11)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1900 - len(prompt) + 40 if phase == "decode" else 8,
             "ignore_eos": True, "stream": True}
-    hold = {"model": "tiny", "prompt": token_prompt(10, salt=12), "max_tokens": 1500, "ignore_eos": True,
+    hold = {"model": "tiny", "prompt": token_prompt(10, salt=12), "max_tokens": 2000, "ignore_eos": True,
             "stream": True} if phase == "queued" else None
     seen = asyncio.run(leave_when(app, body, phase, hold))
     assert seen, f"the request was never seen in phase {phase}"
