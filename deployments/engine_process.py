@@ -25,6 +25,7 @@ from api.core.wire import event_from_wire, sampling_to_wire
 from deployments.engine_ipc import config_to_wire, pack, receive, refusal_from_wire
 from engine.config import EngineConfig
 from engine.loop import CLOSED
+from engine.text import ConsumerText, text_in_engine
 from engine.types import EngineClosedError, FinishReason, Request, TokenEvent
 
 log = logging.getLogger("pomona.engine_process")
@@ -61,6 +62,7 @@ class EngineProcess:
         self._reader_task: asyncio.Task | None = None
         self._ready = False
         self._openblas: bool | None = None
+        self._tokenizer: Any = None  # the model's tokenizer, for the text of requests without stop strings
         self._gone: str | None = None  # why the worker is gone, once it is
         self._closing = False  # shutdown() was called: refusals say the server is shutting down
 
@@ -93,6 +95,11 @@ class EngineProcess:
             self._gone = f"the engine failed to start: {why}"
             raise RuntimeError(self._gone)
         info = answer[1]
+        # The text of requests without stop strings is made here, not in the engine's process (see
+        # `stream`): the tokenizer alone, once the engine has the model (a hub model is local by then).
+        from modelio.models import tokenizer_for
+
+        self._tokenizer = await asyncio.to_thread(tokenizer_for, self.config.model)
         self.model_name, self.context_length = info["model_name"], info["context_length"]
         self._openblas = info.get("openblas")  # OpenBLAS preloaded in the engine's process (Linux)
         self._stats = {"ready": True, "model": self.model_name, "openblas": self._openblas,
@@ -112,12 +119,21 @@ class EngineProcess:
 
     # -- requests -----------------------------------------------------------------------------
     async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
-        """As `AsyncEngine.stream`: batches of events, refusals raised before the first."""
+        """As `AsyncEngine.stream`: batches of events, refusals raised before the first.
+
+        A request without stop strings comes from the engine's process as tokens alone and gets its
+        text here (`ConsumerText`, as `AsyncEngine.stream` makes it in process): detokenizing is
+        about half of what that process's event loop spent on a token, in the interpreter whose
+        MLX thread builds the steps (benchmarks/engine/worker_cost.py); this process has no MLX
+        thread. A request with stop strings has its text made by the engine, which ends it there.
+        """
         if self._gone is not None or self._writer is None or self._closing:
             raise self._closed()
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
+        tokenizer = self._tokenizer
+        consumer = None if text_in_engine(request.params.stop) else ConsumerText(lambda: tokenizer.detokenizer)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         self._send(["add", rid, list(request.prompt_tokens), sampling_to_wire(request.params), request.priority,
@@ -134,7 +150,7 @@ class EngineProcess:
                         raise item
                     batch.extend(item)
                 finished = bool(batch) and batch[-1].finished
-                yield batch
+                yield batch if consumer is None else consumer.fill(batch)
         finally:
             self._streams.pop(rid, None)
             if not finished:

@@ -74,7 +74,7 @@ class Worker:
         try:
             request = Request(tuple(tokens), sampling_from_wire(sampling), request_id=request_id, priority=priority,
                               cache_salt=salt)
-            async for batch in self.engine.stream(request):
+            async for batch in self.engine.stream(request, text=False):  # the replica makes the text
                 if first:
                     self.started.add(request_id)
                 first = False

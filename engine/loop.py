@@ -153,12 +153,17 @@ class AsyncEngine:
         if request.params.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequestError(f"max_tokens must be at most {self.config.max_tokens_limit} on this server")
 
-    async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+    async def stream(self, request: Request, text: bool = True) -> AsyncIterator[list[TokenEvent]]:
         """Events in batches: everything available whenever the consumer asks (no added delay).
 
         Raises before the first batch if the request is refused (overload, context length, an
         invalid grammar: InvalidRequestError). Leaving the iteration early (a client disconnect)
         aborts the request in the engine.
+
+        `text=False`: a request without stop strings comes as its tokens alone (empty text), for a
+        caller that makes the text in another process (`ConsumerText`): the engine's own process
+        (deployments/engine_worker.py) leaves it to the replica, so that detokenizing, about half
+        of what that process's event loop spends on a token, holds no lock the MLX thread needs.
         """
         self.check(request)
         rid = request.request_id
@@ -188,7 +193,8 @@ class AsyncEngine:
             yield [TokenEvent(rid, None, "", finish_reason=FinishReason.ABORT)]
             return
         # Requests without stop strings are detokenized here, on the caller's thread, not the MLX one.
-        text = None if text_in_engine(request.params.stop) else ConsumerText(lambda: self.tokenizer.detokenizer)
+        consumer = None if not text or text_in_engine(request.params.stop) \
+            else ConsumerText(lambda: self.tokenizer.detokenizer)
         finished = False
         try:
             while not finished:
@@ -197,7 +203,7 @@ class AsyncEngine:
                     if isinstance(item, BaseException):
                         raise item
                 finished = batch[-1].finished
-                yield batch if text is None else text.fill(batch)
+                yield batch if consumer is None else consumer.fill(batch)
         finally:
             if not finished:
                 self.abort(request.request_id)

@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from api.core.wire import sampling_to_wire
 from cache_tiers.config import CacheConfig
 from deployments.engine_host import EngineHost
 from deployments.engine_ipc import pack, receive, refusal_from_wire, refusal_to_wire
 from deployments.engine_process import EngineProcess
+from deployments.engine_worker import Worker
 from engine.config import EngineConfig
 from engine.loop import AsyncEngine
 from engine.types import (ContextLengthError, EngineClosedError, FinishReason, InvalidRequestError,
@@ -84,6 +86,55 @@ def test_the_same_events_as_the_engine_in_process(tiny_model_dir):
     there = asyncio.run(run(EngineProcess(cfg)))
     assert [summary(e) for e in there] == [summary(e) for e in here]
     assert all(e[-1].finished for e in there) and there[0][0].logprob is not None
+
+
+class FrameSink:
+    """The replica's end of the socket, for a `Worker` run in this process."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def test_the_engine_process_sends_tokens_and_the_replica_makes_their_text(tiny_model_dir):
+    """Detokenizing stays out of the engine's process, whose event loop shares the interpreter with
+    the MLX thread: a request without stop strings leaves the worker as token ids with no text (the
+    replica makes it: `test_the_same_events_as_the_engine_in_process` checks that text); one with
+    stop strings has its text made by the engine, which must see it to end the request."""
+    plain = req("plain", 5, max_tokens=10, ignore_eos=True)
+    stops = req("stops", 5, max_tokens=10, ignore_eos=True, stop=("never said",))
+
+    async def main() -> dict[str, list[dict]]:
+        engine = AsyncEngine(config(tiny_model_dir))
+        await engine.wait_ready(120)
+        sink = FrameSink()
+        worker = Worker(engine, sink)  # type: ignore[arg-type]
+        try:
+            for r in (plain, stops):
+                worker.handle(["add", r.request_id, list(r.prompt_tokens), sampling_to_wire(r.params), 0, ""])
+            await asyncio.gather(*worker.tasks.values())
+        finally:
+            await engine.shutdown()
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(sink.data))
+        reader.feed_eof()
+        events: dict[str, list[dict]] = {}
+        while (frame := await receive(reader)) is not None:
+            if frame[0] == "events":
+                for rid, wire in frame[1].items():
+                    events.setdefault(rid, []).extend(wire)
+        return events
+
+    events = asyncio.run(main())
+    assert [e["token"] is not None for e in events["plain"]].count(True) == 10
+    assert all(e["text"] == "" for e in events["plain"]), events["plain"]
+    assert "".join(e["text"] for e in events["stops"]), "the engine made no text for a request with stop strings"
 
 
 def test_refusals_raise_the_engines_own_exceptions(tiny_model_dir):

@@ -68,8 +68,8 @@ class LateStreams:
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    async def stream(self, request):
-        async for batch in self.engine.stream(request):
+    async def stream(self, request, text: bool = True):
+        async for batch in self.engine.stream(request, text):
             if batch and batch[-1].finished:
                 await asyncio.sleep(0.05)
             yield batch
