@@ -132,8 +132,8 @@ class EngineProcess:
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        tokenizer = self._tokenizer
-        consumer = None if text_in_engine(request.params.stop) else ConsumerText(lambda: tokenizer.detokenizer)
+        consumer = None if text_in_engine(request.params.stop) \
+            else ConsumerText(lambda: self._tokenizer.detokenizer)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         self._send(["add", rid, list(request.prompt_tokens), sampling_to_wire(request.params), request.priority,

@@ -237,7 +237,7 @@ class Capturing:
     def __init__(self) -> None:
         self.requests: list[Any] = []
 
-    async def stream(self, request):
+    async def stream(self, request, text: bool = True):
         from engine.types import FinishReason, TokenEvent
 
         self.requests.append(request)
