@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from api.core.wire import event_to_wire, rejection, request_from_wire
+from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.types import ContextLengthError, EngineClosedError, InvalidRequestError, OverloadedError
 from modelio.models import openblas_loaded
@@ -99,7 +100,7 @@ class StepClock:
 class EngineHost:
     """The engine plus the conversions around it; one per LLM server replica."""
 
-    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None,
+    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], EngineClient] | None = None,
                  pacing: StreamPacing = StreamPacing(), replica_key: str = "", process: bool = False) -> None:
         """`process`: the engine in its own process (deployments/engine_process.py), else in this one."""
         if engine_factory is None:
@@ -108,7 +109,7 @@ class EngineHost:
             else:
                 from engine.loop import AsyncEngine as engine_factory
         self.config = config
-        self.engine = engine_factory(config)
+        self.engine: EngineClient = engine_factory(config)
         self.pacing = pacing
         self._active = 0  # streams between their first event and their end: they share the budget
         self.replica_key = replica_key  # what a step channel names to reach this replica

@@ -118,7 +118,7 @@ class EngineProcess:
         return self.ready and self.process.poll() is None
 
     # -- requests -----------------------------------------------------------------------------
-    async def stream(self, request: Request) -> AsyncIterator[list[TokenEvent]]:
+    async def stream(self, request: Request, text: bool = True) -> AsyncIterator[list[TokenEvent]]:
         """As `AsyncEngine.stream`: batches of events, refusals raised before the first.
 
         A request without stop strings comes from the engine's process as tokens alone and gets its
@@ -126,13 +126,14 @@ class EngineProcess:
         about half of what that process's event loop spent on a token, in the interpreter whose
         MLX thread builds the steps (benchmarks/engine/worker_cost.py); this process has no MLX
         thread. A request with stop strings has its text made by the engine, which ends it there.
+        `text=False` leaves a request without stop strings as tokens alone here too.
         """
         if self._gone is not None or self._writer is None or self._closing:
             raise self._closed()
         rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        consumer = None if text_in_engine(request.params.stop) \
+        consumer = None if not text or text_in_engine(request.params.stop) \
             else ConsumerText(lambda: self._tokenizer.detokenizer)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue

@@ -22,6 +22,7 @@ from typing import Any
 
 from api.core.wire import event_to_wire, sampling_from_wire
 from deployments.engine_ipc import config_from_wire, pack, receive, refusal_to_wire
+from engine.client import EngineClient
 from engine.types import Request
 
 log = logging.getLogger("pomona.engine_worker")
@@ -35,7 +36,7 @@ CALLS = frozenset({"held_prefixes", "requests_status", "cache_stats", "clear_cac
 class Worker:
     """Runs the replica's requests on the engine and sends their events back, one frame per step."""
 
-    def __init__(self, engine: Any, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, engine: EngineClient, writer: asyncio.StreamWriter) -> None:
         self.engine = engine
         self.writer = writer
         self.outbox: dict[str, list[dict[str, Any]]] = {}
