@@ -141,8 +141,12 @@ async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
     proposed = after.get("spec_proposed_tokens", 0) - runner.get("spec_proposed_tokens", 0)
     accepted = after.get("spec_accepted_tokens", 0) - runner.get("spec_accepted_tokens", 0)
     tokens = sum(len(o) for o in outs)
+    # The GPU's gate: steps it kept from verifying during this level, and its periods after it
+    # (engine/step/speculative.py SpecGate), so a level that gained little says whether the gate held it back.
+    declined = after.get("spec_declined_steps", 0) - runner.get("spec_declined_steps", 0)
     return {"tok_s": tokens / duration, "tokens": tokens, "duration_s": duration, "outputs": outs,
-            "proposed": proposed, "accepted": accepted, "kind": after.get("kind")}
+            "proposed": proposed, "accepted": accepted, "kind": after.get("kind"),
+            "declined_steps": declined, "gate_ms": after.get("spec_gate_ms", {})}
 
 
 def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int, spec: Any,
@@ -197,7 +201,8 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                     "ratio": round(on / off, 3), "same_tokens": same, "proposed": proposed, "accepted": accepted,
                     "accept_rate": round(accepted / proposed, 3) if proposed else None,
                     "tokens_per_request": round(row["on"][0]["tokens"] / len(prompts), 1),
-                    "runner": row["on"][0]["kind"], **checks}
+                    "runner": row["on"][0]["kind"], "declined_steps": [x["declined_steps"] for x in row["on"]],
+                    "gate_ms": row["on"][-1]["gate_ms"], **checks}
                 print(_line(results[f"{workload}/{c}"]), flush=True)
         for engine in engines.values():
             await engine.shutdown(drain_s=0)
@@ -210,7 +215,8 @@ def _line(r: dict[str, Any]) -> str:
     return (f"{r['workload']:>10} c={r['concurrency']:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
             f"tok/s  x{r['ratio']:.2f}  same={r['same_tokens']}  accepted {r['accepted']}/{r['proposed']}"
             + "".join(f"  {k}={r[k]}" for k in ("same_requests", "off_repeat_same", "off_alone_same", "on_alone_same")
-                      if k in r))
+                      if k in r)
+            + (f"  declined={r['declined_steps']} gate_ms={r['gate_ms']}" if r.get("gate_ms") else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

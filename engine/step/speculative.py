@@ -20,7 +20,9 @@ tool arguments), which this predicts with no second model.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -284,17 +286,25 @@ class SpecGate:
     the step is bound by the host building it (a GPU), a verifying step then costs up to two plain
     ones: on the H200 at 8 rows the agent turns' proposals (few accepted) lost 0.62-0.81x while code
     edits (most accepted) gained 2.37x (docs/accelerators.md). So the runner times steps of both
-    kinds by their decoding rows (moving averages per power-of-two bucket) and verifies while the
-    tokens the rows' proposals are expected to add (`Adaptive.expected`) pay for the slower step:
-    (rows + expected) / verifying period >= rows / plain period. A kind not yet timed at a size is
-    tried (a plain step first), and every `explore_every` declined steps one verifies anyway, so a
-    period measured long ago under another load is measured again.
+    kinds by their decoding rows (per power-of-two bucket) and verifies while the tokens the rows'
+    proposals are expected to add (`Adaptive.expected`) pay for the slower step:
+    (rows + expected) / verifying period >= rows / plain period. A kind timed fewer than
+    `min_samples` times at a size is tried (a plain step first), and every `explore_every` declined
+    steps one verifies anyway, so a period measured long ago under another load is measured again.
+
+    A kind's period is the median of its last `window` steps, not a moving average: a GPU backend
+    builds its kernels for a shape the first time it meets it, so the first verifying steps of each
+    size can take many times a steady one, and an average would carry that for hundreds of steps
+    while exploration adds one sample every `explore_every` (on the H100 in session 25 a single
+    stream's code edits, verified at every step before the gate at 3.0x, gained 1.03x, the first
+    workload that engine ran).
     """
 
-    def __init__(self, explore_every: int = 64, weight: float = 0.2) -> None:
+    def __init__(self, explore_every: int = 64, window: int = 9, min_samples: int = 3) -> None:
         self.explore_every = explore_every
-        self.weight = weight
-        self._period: dict[tuple[bool, int], float] = {}  # (verifying, rows bucket) -> seconds a step
+        self.min_samples = min_samples
+        self._window = window
+        self._periods: dict[tuple[bool, int], deque[float]] = {}  # (verifying, rows bucket) -> seconds
         self._declined = 0
         self.declined_steps = 0  # for the step report
 
@@ -305,11 +315,19 @@ class SpecGate:
     def record(self, verifying: bool, rows: int, seconds: float) -> None:
         """One step's period (from the previous step's end to its own) of that kind."""
         key = (verifying, self.bucket(rows))
-        old = self._period.get(key)
-        self._period[key] = seconds if old is None else old + self.weight * (seconds - old)
+        self._periods.setdefault(key, deque(maxlen=self._window)).append(seconds)
 
     def period(self, verifying: bool, rows: int) -> float | None:
-        return self._period.get((verifying, self.bucket(rows)))
+        """The kind's steady period at that size (None: timed fewer than `min_samples` times)."""
+        seen = self._periods.get((verifying, self.bucket(rows)))
+        if seen is None or len(seen) < self.min_samples:
+            return None
+        return statistics.median(seen)
+
+    def report(self) -> dict[str, float]:
+        """Each kind's period in ms by rows bucket ("plain/8", "verify/8"), for the step report."""
+        return {f"{'verify' if verifying else 'plain'}/{rows}": round(1000 * statistics.median(seen), 3)
+                for (verifying, rows), seen in sorted(self._periods.items()) if seen}
 
     def pays(self, rows: int, expected: float) -> bool:
         """Verify this step? `expected`: the tokens the rows' proposals should add."""
@@ -317,7 +335,7 @@ class SpecGate:
             return False
         plain, verify = self.period(False, rows), self.period(True, rows)
         if plain is None:
-            return False  # time a plain step of this size first
+            return False  # time plain steps of this size first
         if verify is None or (rows + expected) * plain >= rows * verify:
             self._declined = 0
             return True

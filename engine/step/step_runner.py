@@ -225,7 +225,8 @@ class StepRunner:
         decode_s = self._stall.decode_s  # moving average of steps that only decode: the steady decode rate
         return {"kind": "pomona", **self._counts, "shapes": len(self._shapes_seen),
                 "decode_step_ms": round(1000 * decode_s, 3) if decode_s else 0.0,
-                "spec_declined_steps": self._gate.declined_steps if self._gate is not None else 0}
+                "spec_declined_steps": self._gate.declined_steps if self._gate is not None else 0,
+                "spec_gate_ms": self._gate.report() if self._gate is not None else {}}
 
     def close(self) -> None:
         self._slots.clear()

@@ -217,19 +217,38 @@ def test_the_gpus_step_times_both_kinds_of_step_for_its_gate(model):
 
 
 def test_the_gate_verifies_while_the_expected_tokens_pay_for_the_slower_step():
-    gate = SpecGate(explore_every=4)
-    assert not gate.pays(8, 3.0)  # no plain step of 8 rows timed yet: time one first
+    gate = SpecGate(explore_every=4, window=5, min_samples=2)
+    gate.record(False, 8, 0.010)
+    assert not gate.pays(8, 3.0)  # plain steps of 8 rows timed once: not yet measured, time more
     gate.record(False, 8, 0.010)
     assert gate.pays(8, 0.5)  # a verifying one not timed yet: try it
+    gate.record(True, 8, 0.020)
+    assert gate.pays(8, 0.5)  # once is not yet measured
     gate.record(True, 8, 0.020)  # twice a plain step
     assert not gate.pays(8, 4.0)  # 12 tokens in 20 ms < 8 in 10
     assert gate.pays(8, 8.0)  # 16 in 20 ms = 8 in 10
     assert not gate.pays(8, 0.0)  # nothing expected: never
     assert [gate.pays(7, 1.0) for _ in range(4)] == [False, False, False, True]  # 7 rows: bucket 8; explores
     assert not gate.pays(16, 100.0)  # another bucket: its own periods
-    gate.record(True, 8, 0.010)  # a moving average: 20 -> 18 ms
-    assert gate.period(True, 5) == pytest.approx(0.018)
+    gate.record(True, 8, 0.010)
+    assert gate.period(True, 5) == pytest.approx(0.020)  # the median of 20, 20, 10
     assert gate.declined_steps == 4
+    assert gate.report() == {"plain/8": 10.0, "verify/8": 20.0}
+
+
+def test_a_slow_first_verifying_step_does_not_hold_the_gate_shut():
+    """A GPU builds kernels for a shape the first time it meets it: the first verifying steps can
+    take many times a steady one. The gate's period is a median, so one such step is forgotten
+    after two steady ones, where a moving average would decline for hundreds of steps."""
+    gate = SpecGate(explore_every=64)
+    for _ in range(3):
+        gate.record(False, 1, 0.010)
+    gate.record(True, 1, 0.400)  # the first: kernels built for the shape
+    gate.record(True, 1, 0.016)
+    gate.record(True, 1, 0.016)
+    assert gate.period(True, 1) == pytest.approx(0.016)
+    assert gate.pays(1, 1.0)  # 2 tokens in 16 ms > 1 in 10
+    assert gate.declined_steps == 0
 
 
 def test_expected_tokens_follow_the_budget_without_counting_a_step():
