@@ -144,7 +144,7 @@ def sweep(model_dir: str, quick: bool, concurrencies: Sequence[int], max_running
     maker = TextMaker(model_dir)
     tokenizer = load_tokenizer(Path(model_dir))
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as ssd_dir:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as ssd_dir:  # see prefix_part.py
         engine = (EngineProcess if process else AsyncEngine)(
             engine_config(model_dir, max_running, ssd_dir if ssd else None, prefix_cache, overrides))
 

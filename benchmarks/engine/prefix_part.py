@@ -126,7 +126,9 @@ async def run_variant(model_dir: str, overrides: dict[str, Any], quick: bool, co
     prompts = chat_prompts(tokenizer, [first_turn_messages(c) for c in convs])
     c = concurrency or suite.prefix_concurrency
     log = StepLog()
-    with tempfile.TemporaryDirectory() as ssd_dir:
+    # ignore_cleanup_errors: a shutdown that outlasts its 30 s join (a slow disk's backlog on a 2-core box)
+    # leaves the SSD writer finishing a file while the directory is removed; the figures are already taken.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as ssd_dir:
         if (overrides.get("cache") or {}).get("ssd_dir"):  # a fresh directory, never the user's
             overrides = {**overrides, "cache": {**overrides["cache"], "ssd_dir": ssd_dir}}
         engine = timed_engine(engine_config(model_dir, None, ssd_dir, overrides=overrides), log)
