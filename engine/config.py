@@ -12,6 +12,7 @@ from engine.step.speculative import SpecConfig, parse_speculative
 
 CPU_PREFILL_CHUNK = 256
 GPU_PREFILL_CHUNK = 2048
+FIRST_TOKEN_READS = ("auto", "now", "hits", "next_step")  # EngineConfig.first_token_read
 
 
 class SchedulingPolicy(str, enum.Enum):
@@ -64,6 +65,15 @@ class EngineConfig:
     # tokens on the CPU backend, off on GPUs (there batched prefill is cheaper and a step is short).
     # Only hits whose cached prefix is at least as long as the rest take it (see Engine._admit).
     direct_first_token: int | str | None = "auto"
+    # When a step samples a prompt's first token, whether that step is read back at once (the
+    # token leaves in the same engine step) or while the next step runs, as every step is: the
+    # next step's building then no longer overlaps this step's device work, once. "now": every
+    # prompt's; "hits": a prefix hit's (cached prefix at least as long as the rest it fed: an
+    # agent's or a chat's next turn); "next_step": none. "auto": "now" on the CPU backend, whose
+    # steps with prompt chunks are evaluated as they are built (nothing overlaps to lose; the
+    # first token came one whole step later, ~80-110 ms at an agent's context there);
+    # "next_step" on GPUs until measured there (the A/B: `pomona-set:first_token_read=hits`).
+    first_token_read: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     default_max_tokens: int = 256
@@ -121,6 +131,8 @@ class EngineConfig:
         if self.direct_first_token is not None and self.direct_first_token != "auto" and (
                 not isinstance(self.direct_first_token, int) or self.direct_first_token < 1):
             raise ValueError('engine.direct_first_token must be an integer >= 1, "auto" or null')
+        if self.first_token_read not in FIRST_TOKEN_READS:
+            raise ValueError(f"engine.first_token_read must be one of {FIRST_TOKEN_READS}, got {self.first_token_read!r}")
         if self.cudnn_attention not in (True, False, "auto"):
             raise ValueError('engine.cudnn_attention must be true, false or "auto"')
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))
@@ -133,6 +145,12 @@ class EngineConfig:
         if self.prefill_chunk != "auto":
             return self
         return replace(self, prefill_chunk=CPU_PREFILL_CHUNK if on_cpu else GPU_PREFILL_CHUNK)
+
+    def first_token_reads(self, on_cpu: bool) -> str:
+        """`first_token_read` made concrete for the backend: "now", "hits" or "next_step"."""
+        if self.first_token_read == "auto":
+            return "now" if on_cpu else "next_step"
+        return self.first_token_read
 
     def direct_first_token_limit(self, on_cpu: bool) -> int:
         """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""

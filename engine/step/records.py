@@ -27,6 +27,7 @@ class Slot:
     generated: int = 0  # output tokens read back
     context: mx.array | None = None  # prompt + outputs, for logits processors
     spec: SpecState | None = None  # speculation (engine/step/speculative.py), None when off
+    cached: int = 0  # prompt tokens restored from the prefix cache (not fed)
 
     @property
     def prefilling(self) -> bool:

@@ -93,6 +93,7 @@ class StepRunner:
         # step gives up the overlap, whether it pays for that, as measured (`SpecGate`).
         self._spec_rows = self._backend.spec_max_rows
         self._gate = SpecGate() if self._backend.spec_gate else None
+        self._first_token_read = config.first_token_reads(self._backend.on_cpu)
         self._last_end: float | None = None  # when the previous step call ended (the gate's periods)
         self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
         self._draft: DraftProposer | None = None
@@ -156,7 +157,8 @@ class StepRunner:
             raise
         self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
                                         list(tokens), list(cached), len(cached),
-                                        spec=new_state(self.speculative, cached, tokens) if self.speculative else None)
+                                        spec=new_state(self.speculative, cached, tokens) if self.speculative else None,
+                                        cached=len(cached))
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,
@@ -254,10 +256,28 @@ class StepRunner:
             ended = time.perf_counter()
             self._counts["build_s"] += built - started
             self._counts["wait_s"] += ended - built
-        self._time(work, read, ended - started, ended)
+        if work is not None and self._reads_now(work):
+            # A first token leaves in this call rather than the next (`first_token_read`).
+            generated += self._read(work)
+            ended = time.perf_counter()
+            self._time(work, read, ended - started, ended)
+            self._last_read, self._inflight = ended, None
+        else:
+            self._time(work, read, ended - started, ended)
+            self._inflight = work
         self._time_kind(read_first, work, read, ended)
-        self._inflight = work
         return (work.progress if work else []), generated
+
+    def _reads_now(self, work: Work) -> bool:
+        """Whether `work` is read back in the call that started it: it samples a prompt's first
+        token, and `first_token_read` says so for that prompt ("now": any; "hits": one whose
+        restored prefix is at least as long as the rest it fed)."""
+        if self._first_token_read == "next_step" or not work.prefill_tokens:
+            return False
+        ending = [p.request_id for p in work.progress if p.end_of_prompt]
+        if not ending or self._first_token_read == "now":
+            return bool(ending)
+        return any((s := self._slots.get(rid)) is not None and s.cached >= len(s.rest) for rid in ending)
 
     def _reads_first(self) -> tuple[bool, bool]:
         """(Whether this step reads the one in flight first, so that it may verify proposals;
@@ -288,8 +308,8 @@ class StepRunner:
         (read first: not overlapped) or a plain one, by its decoding rows; steps with prompt
         chunks are left out (their period is the chunk's)."""
         last, self._last_end = self._last_end, ended
-        if self._gate is None or last is None or built is None or not built.decoding:
-            return
+        if self._gate is None or last is None or built is None or not built.decoding or read is None:
+            return  # (a step that read nothing overlapped nothing: it follows an idle engine or a read-back at once)
         if built.prefill_tokens or (read is not None and read.prefill_tokens):
             return
         self._gate.record(read_first, built.decoding, ended - last)
