@@ -21,7 +21,8 @@
 # serve_config.yaml (SSD tier on, a fresh ssd_dir in the run's directory) beside mlx_lm.server's defaults:
 # agent:   benchmarks/agent/agent_session.py: the 10-turn agent trace (15-20k-token prompts), both servers up,
 #          each turn sent to one then the other (interleaved). ~190 s on the H200; AGENT_TIMEOUT (420 s),
-#          AGENT_TURNS (10). $OUT/agent-<shape>.json, $OUT/logs-agent.tgz.
+#          AGENT_TURNS (10), AGENT_SERVERS (default pomona,mlx_lm.server; e.g. a third,
+#          pomona-set:first_token_read=hits, to A/B one engine setting in the same run). $OUT/agent-<shape>.json, $OUT/logs-agent.tgz.
 # path:    benchmarks/agent/serving_path.py, Pomona alone: the agent turns over HTTP, each turn's TTFT split into the
 #          engine's, the hops (ingress <-> replica <-> engine process) and the front (proxy, parse, template,
 #          tokenize, SSE), twice (the second pass under another cache salt). ~90 s; PATH_TIMEOUT (200 s).
@@ -150,10 +151,10 @@ for what in ${1//,/ }; do
     agent)
       M=$(agent_model) || { echo "[agent] could not build the $SHAPE model"; continue; }
       run=/tmp/agent-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
-      bounded "${AGENT_TIMEOUT:-420}" python3 -m benchmarks.agent.agent_session --model "$M" --servers pomona,mlx_lm.server \
+      bounded "${AGENT_TIMEOUT:-420}" python3 -m benchmarks.agent.agent_session --model "$M" --servers "${AGENT_SERVERS:-pomona,mlx_lm.server}" \
         --order interleaved --turns "${AGENT_TURNS:-10}" --base-port "$AGENT_PORT" --docs "" --out "$run" \
         2>"$run/logs/agent_session.stderr" || { tail -c 2000 "$run/logs/agent_session.stderr"
-                                              leftovers "$run" "$AGENT_PORT" $((AGENT_PORT + 1)); }
+                                              leftovers "$run" "$AGENT_PORT" $((AGENT_PORT + 1)) $((AGENT_PORT + 2)); }
       cp "$run/results.json" "$OUTDIR/agent-$SHAPE.json" 2>/dev/null
       tar -czf "$OUTDIR/logs-agent.tgz" -C "$run" logs
       python3 -m benchmarks.device.device_goals --shape "$SHAPE" --agent "$OUTDIR/agent-$SHAPE.json" --only-given ;;
