@@ -41,9 +41,17 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     trace = build_trace(count, args.turns)
     ssd = None if args.no_ssd else tempfile.mkdtemp(prefix="pomona-breakdown-")
     config = engine_config(args.model, None, ssd, overrides=_settings(args.engine))
-    engine = AsyncEngine(config)
-    await engine.wait_ready(600)
-    tok = engine.tokenizer
+    if args.process:  # the engine in its own process, as the server runs it (no Ray, no HTTP)
+        from deployments.engine_process import EngineProcess
+        from modelio.models import tokenizer_for
+
+        engine = EngineProcess(config)
+        await engine.wait_ready(600)
+        tok = tokenizer_for(config.model)
+    else:
+        engine = AsyncEngine(config)
+        await engine.wait_ready(600)
+        tok = engine.tokenizer
     syntax = syntax_for(tok)
     rows = []
     for turn, salt in [(t, str(p)) for p in range(args.passes) for t in range(1, trace.turns + 1)]:
@@ -89,6 +97,8 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--no-ssd", action="store_true")
+    p.add_argument("--process", action="store_true",
+                   help="the engine in its own process (deployments/engine_process.py), as the server runs it")
     p.add_argument("--gap", type=float, default=0.3, help="seconds between turns (the SSD writer runs meanwhile)")
     p.add_argument("--passes", type=int, default=2,
                    help="the session again under another cache salt (cold prefix cache, shapes seen before: "
