@@ -235,7 +235,8 @@ class StepRunner:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> tuple[list[PromptProgress], list[Generated]]:
-        """Start this step, then read back the previous one (its tokens were computed meanwhile)."""
+        """Start this step, then read back the previous one (its tokens were computed meanwhile);
+        a step that samples a prompt's first token is read back at once where `first_token_read` says."""
         started = time.perf_counter()
         read = self._inflight
         read_first, gate_after = self._reads_first()
