@@ -27,6 +27,23 @@ def _settings(pairs: list[str]) -> dict[str, Any]:
     return {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in pairs)}
 
 
+async def _started(config: Any, process: bool) -> tuple[Any, Any]:
+    """The engine (in process, or in its own process as the server runs it: no Ray, no HTTP), ready,
+    and the model's tokenizer."""
+    if process:
+        from deployments.engine_process import EngineProcess
+        from modelio.models import tokenizer_for
+
+        engine: Any = EngineProcess(config)
+        await engine.wait_ready(600)
+        return engine, tokenizer_for(config.model)
+    from engine.loop import AsyncEngine
+
+    engine = AsyncEngine(config)
+    await engine.wait_ready(600)
+    return engine, engine.tokenizer
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from api.anthropic.request import parse_messages_request
     from api.core.fields import Limits
@@ -34,24 +51,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.agent.agent_session import token_counter
     from benchmarks.agent.agent_trace import anthropic_body, build_trace
     from benchmarks.engine.engine_loop import engine_config
-    from engine.loop import AsyncEngine
     from engine.types import Request, SamplingParams
 
     _, count = token_counter(Path(args.model))
     trace = build_trace(count, args.turns)
     ssd = None if args.no_ssd else tempfile.mkdtemp(prefix="pomona-breakdown-")
     config = engine_config(args.model, None, ssd, overrides=_settings(args.engine))
-    if args.process:  # the engine in its own process, as the server runs it (no Ray, no HTTP)
-        from deployments.engine_process import EngineProcess
-        from modelio.models import tokenizer_for
-
-        engine = EngineProcess(config)
-        await engine.wait_ready(600)
-        tok = tokenizer_for(config.model)
-    else:
-        engine = AsyncEngine(config)
-        await engine.wait_ready(600)
-        tok = engine.tokenizer
+    engine, tok = await _started(config, args.process)
     syntax = syntax_for(tok)
     rows = []
     for turn, salt in [(t, str(p)) for p in range(args.passes) for t in range(1, trace.turns + 1)]:
