@@ -72,7 +72,10 @@ class EngineConfig:
     # agent's or a chat's next turn); "next_step": none. "auto": "now" on the CPU backend, whose
     # steps with prompt chunks are evaluated as they are built (nothing overlaps to lose; the
     # first token came one whole step later, ~80-110 ms at an agent's context there);
-    # "next_step" on GPUs until measured there (the A/B: `pomona-set:first_token_read=hits`).
+    # "hits" on GPUs: measured on an H100 (session 26, benchmarks/results/device-s26/run2-*: the
+    # reuse part beside `pomona`'s then "next_step"), a prefix hit's TTFT p50 162 -> 105 ms and a
+    # multi-turn's 169 -> 127 ms; in process, the prefix part's 90 -> 83 ms. A cold prompt's first
+    # token is mostly prefill there, so overlapping the next step's building is kept for it.
     first_token_read: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
@@ -149,7 +152,7 @@ class EngineConfig:
     def first_token_reads(self, on_cpu: bool) -> str:
         """`first_token_read` made concrete for the backend: "now", "hits" or "next_step"."""
         if self.first_token_read == "auto":
-            return "now" if on_cpu else "next_step"
+            return "now" if on_cpu else "hits"
         return self.first_token_read
 
     def direct_first_token_limit(self, on_cpu: bool) -> int:

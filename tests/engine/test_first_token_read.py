@@ -87,10 +87,10 @@ def test_the_tokens_are_mlx_lms_whenever_a_first_token_is_read(model, on_cpu, mo
     assert_same(drive(model, stepper(mode, on_cpu), jobs, prefill_chunk=16), reference)
 
 
-def test_auto_reads_at_once_on_the_cpu_only():
+def test_auto_reads_at_once_on_the_cpu_and_for_prefix_hits_on_gpus():
     config = EngineConfig(model="tiny")
     assert config.first_token_reads(on_cpu=True) == "now"
-    assert config.first_token_reads(on_cpu=False) == "next_step"
-    assert EngineConfig(model="tiny", first_token_read="hits").first_token_reads(on_cpu=False) == "hits"
+    assert config.first_token_reads(on_cpu=False) == "hits"
+    assert EngineConfig(model="tiny", first_token_read="next_step").first_token_reads(on_cpu=False) == "next_step"
     with pytest.raises(ValueError, match="first_token_read"):
         EngineConfig(model="tiny", first_token_read="soon")
