@@ -98,14 +98,20 @@ def random_text_messages(i: int) -> list[dict[str, str]]:
 WORKLOADS = {"code-edit": code_edit_messages, "random": random_text_messages}
 
 
-def agent_turns(tokenizer: Any) -> Callable[[int], list[dict[str, str]]]:
+def agent_turns(tokenizer: Any, room: int) -> Callable[[int], list[dict[str, str]]]:
     """The agent session's turns 2-10 (benchmarks/agent/agent_trace.py, 5-8k-token prompts with SmolLM2's
-    tokenizer) as chat messages, request i taking turn 2 + i % 9: the decode after a long context
-    that re-emits paths, names and code from it. Needs a context of ~21k tokens."""
+    tokenizer) as chat messages, request i taking the i-th of those whose prompt leaves `room` tokens
+    for itself and its answer (the model's context less max_tokens: the real SmolLM2's 8,192 holds
+    turns 2-9 with 300 tokens to answer, not turn 10's 8,080): the decode after a long context that
+    re-emits paths, names and code from it."""
     from benchmarks.agent.agent_trace import build_trace, chat_messages
+    from benchmarks.engine.bare_loop import chat_prompts
 
     trace = build_trace(lambda text: len(tokenizer.encode(text)))
-    return lambda i: chat_messages(trace, 2 + i % 9)
+    turns = [t for t in range(2, 11) if len(chat_prompts(tokenizer, [chat_messages(trace, t)])[0]) <= room]
+    if not turns:
+        raise SystemExit(f"no agent turn fits {room} tokens: lower --max-tokens or use a longer-context model")
+    return lambda i: chat_messages(trace, turns[i % len(turns)])
 
 
 async def _one(engine: Any, tokens: Sequence[int], max_tokens: int, rid: str) -> list[int]:
@@ -173,7 +179,8 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
         for engine in engines.values():
             await engine.wait_ready()
         for workload in workloads:
-            make = agent_turns(tokenizer) if workload == "agent" else WORKLOADS[workload]
+            room = (engines["off"].context_length or 1 << 30) - max_tokens
+            make = agent_turns(tokenizer, room) if workload == "agent" else WORKLOADS[workload]
             for name, engine in engines.items():  # the shared prefix cached, kernels warm
                 await level(engine, chat_prompts(tokenizer, [make(10_000)]), 8, f"warm-{workload}-{name}", 1)
             for c in concurrencies:
