@@ -44,11 +44,13 @@ def parse_policy(text: str) -> dict[str, Any]:
     return out
 
 
-def replay(records: list[dict[str, list[int]]], policy: dict[str, Any], floor: float) -> dict[str, Any]:
+def replay(records: list[dict[str, list[int]]], policy: dict[str, Any], floor: float,
+           padded: bool = False) -> dict[str, Any]:
     """Decode steps a policy needs for `records` ({"prompt", "output"} token lists), each request on
     its own (one decoding row). The first token comes from the prompt's prefill, as in the engine;
     then a step proposes from everything known, keeps the proposals up to the first that differs
-    from the output, and emits one token more (the sample at that position)."""
+    from the output, and emits one token more (the sample at that position). `padded`: the GPU's
+    policy (`Adaptive`'s: every step proposes its most, as a fixed-width verifying step costs the same)."""
     from engine.step.speculative import Adaptive, PromptLookup, SpecConfig
 
     settings = dict(policy)
@@ -58,7 +60,7 @@ def replay(records: list[dict[str, list[int]]], policy: dict[str, Any], floor: f
     for record in records:
         out = record["output"]
         known = list(record["prompt"]) + out[:1]
-        lookup, control = PromptLookup(config.ngram_min, config.ngram_max), Adaptive(config.max_tokens)
+        lookup, control = PromptLookup(config.ngram_min, config.ngram_max), Adaptive(config.max_tokens, padded=padded)
         i = 1
         while i < len(out):
             k = min(control.budget(floor) if adaptive else config.max_tokens, len(out) - i - 1)
@@ -92,7 +94,8 @@ def record(model: str, workloads: Sequence[str], requests: int, max_tokens: int)
         await engine.wait_ready()
         try:
             for workload in workloads:
-                make = agent_turns(tokenizer) if workload == "agent" else WORKLOADS[workload]
+                make = agent_turns(tokenizer, engine.context_length - max_tokens) if workload == "agent" \
+                    else WORKLOADS[workload]
                 prompts = chat_prompts(tokenizer, [make(i) for i in range(requests)])
                 out[workload] = [{"prompt": list(p), "output": await _one(engine, p, max_tokens, f"{workload}-{i}")}
                                  for i, p in enumerate(prompts)]
@@ -120,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--policy", action="append", default=None,
                    help=f"SpecConfig fields (and adaptive=false), repeatable; default {DEFAULT_POLICIES}")
-    p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu", help="whose step's acceptance floor")
+    p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu",
+                   help="whose step's policy: its acceptance floor, and on the GPU every step proposing its most")
     p.add_argument("--floor", type=float, default=None, help="an acceptance floor of your own instead")
     p.add_argument("--save", default=None, help="write the recorded outputs here (JSON)")
     p.add_argument("--load", default=None, help="replay outputs recorded earlier instead of running the model")
@@ -137,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, Any] = {}
     for workload, records in data.items():
         for text in (args.policy or DEFAULT_POLICIES):
-            result = replay(records, parse_policy(text), floor)
+            result = replay(records, parse_policy(text), floor, padded=args.backend == "gpu")
             summary[f"{workload}/{text or 'default'}"] = result
             print(f"{workload:>10} {text or 'default':<40} {result['tokens_per_step']:.2f} tokens/step  "
                   f"({result['steps']} steps, accepted {result['accepted']}/{result['proposed']})", flush=True)

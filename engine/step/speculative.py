@@ -42,7 +42,10 @@ class SpecConfig:
 
     method: str = "prompt_lookup"
     max_tokens: int = 8
-    ngram_max: int = 3
+    # 5, not 3: replayed over recorded greedy outputs (benchmarks/engine/spec_replay.py, session 26),
+    # a longer match first lifts code edits 3.28 -> 3.55 tokens a step at one row on the CPU's
+    # policy (3.83 -> 4.08 on the GPU's), the agent turns 2.34 -> 2.38, with fewer proposals made.
+    ngram_max: int = 5
     ngram_min: int = 1
     draft_model: str | None = None
 
@@ -147,32 +150,48 @@ class PromptLookup:
                 continue
             at = np.arange(first, end)
             if n <= PACKED_MAX_N:
-                keys = np.zeros(end - first, dtype=np.int64)
-                for j in range(n):
-                    keys |= ids[at - n + j - lo] << (ID_BITS * j)
-                self._next[n].update(zip(keys.tolist(), at.tolist()))
+                def packed(offset: int, count: int) -> list[int]:
+                    keys = np.zeros(end - first, dtype=np.int64)
+                    for j in range(count):
+                        keys |= ids[at - n + offset + j - lo] << (ID_BITS * j)
+                    return keys.tolist()
+                head = packed(0, min(n, PER_WORD))
+                keys: Any = head if n <= PER_WORD else zip(head, packed(PER_WORD, n - PER_WORD))
+                self._next[n].update(zip(keys, at.tolist()))
             else:
                 for i in at.tolist():
                     self._next[n][tuple(tokens[i - n:i])] = i
 
     def _key(self, tokens: Sequence[int], a: int, b: int) -> Any:
-        """The key of tokens[a:b]: packed ids for short n-grams while every id fits, else a tuple."""
+        """The key of tokens[a:b]: packed ids for n-grams up to PACKED_MAX_N while every id fits (one
+        integer up to PER_WORD ids, a pair of them past it), else a tuple."""
+        ids = tokens[a:b]
         if b - a > PACKED_MAX_N or not self._packed:
-            return tuple(tokens[a:b])
-        key = 0
-        for j, t in enumerate(tokens[a:b]):
-            if t >> ID_BITS or t < 0:
-                self._repack()
-                return tuple(tokens[a:b])
-            key |= t << (ID_BITS * j)
-        return key
+            return tuple(ids)
+        if max(ids) >> ID_BITS or min(ids) < 0:
+            self._repack()
+            return tuple(ids)
+        head = 0
+        for j, t in enumerate(ids[:PER_WORD]):
+            head |= t << (ID_BITS * j)
+        if b - a <= PER_WORD:
+            return head
+        tail = 0
+        for j, t in enumerate(ids[PER_WORD:]):
+            tail |= t << (ID_BITS * j)
+        return head, tail
 
     def _repack(self) -> None:
         """Packed keys back to tuples (an id too large to pack arrived): keeps every entry."""
         self._packed = False
+
+        def ids(word: int, count: int) -> tuple[int, ...]:
+            return tuple((word >> (ID_BITS * j)) & ID_MASK for j in range(count))
         for n, table in self._next.items():
-            if n <= PACKED_MAX_N:
-                self._next[n] = {tuple((k >> (ID_BITS * j)) & ID_MASK for j in range(n)): v for k, v in table.items()}
+            if n <= PER_WORD:
+                self._next[n] = {ids(k, n): v for k, v in table.items()}
+            elif n <= PACKED_MAX_N:
+                self._next[n] = {ids(k[0], PER_WORD) + ids(k[1], n - PER_WORD): v for k, v in table.items()}
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix n-gram's latest earlier occurrence."""
@@ -188,10 +207,13 @@ class PromptLookup:
 
 
 # Token ids packed per n-gram key: 21 bits (vocabularies up to 2M ids; the largest are ~260k), three of
-# them in a 63-bit integer. Longer n-grams use tuple keys.
+# them in a 63-bit integer, n-grams of 4-6 ids as a pair of such integers (a pair of two list's items
+# is made in C by `zip`; a tuple of the ids, sliced per position, took twice the time: 20k tokens at
+# n-grams 1-5 indexed in 16 ms with tuples there). Longer n-grams use tuple keys.
 ID_BITS = 21
 ID_MASK = (1 << ID_BITS) - 1
-PACKED_MAX_N = 3
+PER_WORD = 3
+PACKED_MAX_N = 2 * PER_WORD
 BULK_POSITIONS = 64  # from this many new positions a sync goes through NumPy (a step adds 1-9)
 
 
@@ -205,11 +227,20 @@ class Adaptive:
     the floor rises with the batch; on a GPU a step's positions are nearly free). k is the largest
     j with q**j >= floor (at most `limit`); when q falls under the floor, proposals stop for
     `backoff` steps, doubling each time, then one probe. A request whose output is not in its
-    context ends up at 0."""
+    context ends up at 0.
 
-    def __init__(self, limit: int, decay: float = 0.7, backoff: int = 8, max_backoff: int = 256) -> None:
+    `padded`: a verifying step computes `limit` positions for this row whatever it proposes (a
+    GPU's step verifies every row in one forward of a fixed width, engine/step/backend.py), so
+    proposing fewer saves the step nothing and backing off only loses tokens: k is the limit at
+    every step, and `expected` (the gate's estimate of what the row adds) weighs all of them by q.
+    Replayed over recorded greedy outputs at one row (benchmarks/engine/spec_replay.py, session 26)
+    that is 2.34 -> 2.67 tokens a step on the agent turns and 3.29 -> 3.83 on code edits."""
+
+    def __init__(self, limit: int, decay: float = 0.7, backoff: int = 8, max_backoff: int = 256,
+                 padded: bool = False) -> None:
         self.limit = limit
         self.decay = decay
+        self.padded = padded
         self._accepted, self._tried = 1.2, 2.0  # a prior of 0.6 worth two positions
         self._base_backoff = backoff
         self._backoff = backoff
@@ -230,6 +261,8 @@ class Adaptive:
 
     def budget(self, floor: float = 0.0) -> int:
         """The k for this step (0 while backing off); counts a step."""
+        if self.padded:
+            return self.limit
         if self._wait > 0:
             self._wait -= 1
             self._probe = self._wait == 0
@@ -258,7 +291,7 @@ class Adaptive:
         if self._wait > 0:
             return 0.0
         q = self.q
-        k = 1 if self._probe else self._k(floor)
+        k = self.limit if self.padded else 1 if self._probe else self._k(floor)
         return (self._found / self._asked) * sum(q ** j for j in range(1, k + 1))
 
     def record_lookup(self, found: bool) -> None:
@@ -408,13 +441,14 @@ class SpecState:
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted}
 
 
-def new_state(config: SpecConfig, *prompt: Sequence[int]) -> SpecState:
+def new_state(config: SpecConfig, *prompt: Sequence[int], padded: bool = False) -> SpecState:
     """A request's state; its prompt (the parts it starts from, in order) is indexed off the MLX
-    thread when long."""
+    thread when long. `padded`: the step verifies a row at a fixed width (`Adaptive`); a draft
+    model's proposals cost a draft forward each, so they stay adaptive."""
     if sum(map(len, prompt)) >= BACKGROUND_INDEX_TOKENS and config.method == "prompt_lookup":
         tokens = [t for part in prompt for t in part]
         future = _executor().submit(_index, config.ngram_min, config.ngram_max, tokens)
         lookup: PromptLookup | PendingLookup = PendingLookup(future, config.ngram_min, config.ngram_max)
     else:
         lookup = PromptLookup(config.ngram_min, config.ngram_max)
-    return SpecState(lookup, Adaptive(config.max_tokens))
+    return SpecState(lookup, Adaptive(config.max_tokens, padded=padded and config.method == "prompt_lookup"))

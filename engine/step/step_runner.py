@@ -155,10 +155,10 @@ class StepRunner:
         except Exception:
             self._table.release(row)
             raise
+        spec = None if self.speculative is None else \
+            new_state(self.speculative, cached, tokens, padded=self._backend.fixed_verify_width)
         self._slots[request_id] = Slot(request_id, row, decoding, decoding.stop_sequences.matcher(), max_tokens,
-                                        list(tokens), list(cached), len(cached),
-                                        spec=new_state(self.speculative, cached, tokens) if self.speculative else None,
-                                        cached=len(cached))
+                                        list(tokens), list(cached), len(cached), spec=spec, cached=len(cached))
 
     def insert_after_first_token(self, request_id: str, tokens: Sequence[int], cached: Sequence[int],
                                  cache: list[Any] | None, decoding: Decoding, max_tokens: int,

@@ -383,10 +383,11 @@ def _reference_proposal(tokens: list[int], k: int, ngram_min: int, ngram_max: in
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([3, 7, 50, 1 << 22]), ngram_max=st.integers(1, 5),
+@given(seed=st.integers(0, 10**6), vocab=st.sampled_from([3, 7, 50, 1 << 22]), ngram_max=st.integers(1, 7),
        steps=st.lists(st.integers(1, 150), min_size=1, max_size=8), big_at=st.integers(0, 400))
 def test_prompt_lookup_index_equals_a_scan_whatever_it_grows_by(seed, vocab, ngram_max, steps, big_at):
-    """The index (packed keys, NumPy for long runs, tuple keys past 21-bit ids) proposes what a scan
+    """The index (packed keys: one integer to 3 ids, a pair to 6; NumPy for long runs; tuple keys past
+    6 ids and past 21-bit ids) proposes what a scan
     of the tokens finds, as the tokens grow by whole prompts and by a few tokens a step; an id too
     large to pack may arrive at any point (vocab 1 << 22, or one such id at `big_at`)."""
     rng = random.Random(seed)
@@ -441,6 +442,29 @@ def test_adaptive_k_follows_acceptance_and_the_floor_and_backs_off_when_it_does_
     while low.budget(0.1) == 0:
         waited += 1
     assert waited > 8  # backed off longer the second time
+
+
+def test_a_padded_row_proposes_its_most_at_every_step_and_still_weighs_them_by_q():
+    """A GPU verifies every row at one fixed width: a row proposing fewer saves nothing, so it never
+    backs off; what it is expected to add (for the gate) still falls with its acceptance."""
+    a = Adaptive(8, padded=True)
+    for _ in range(8):
+        a.record(8, 0)  # every proposal rejected: a CPU's row would back off
+        assert a.budget(0.5) == 8 and not a.waiting
+    q = a.q
+    assert q < 0.2
+    assert a.expected(0.5) == pytest.approx(sum(q ** j for j in range(1, 9)))
+    assert a.expected(0.5) < 0.25
+    cpu = Adaptive(8)
+    for _ in range(8):
+        cpu.record(8, 0)
+    assert cpu.budget(0.5) == 0 and cpu.waiting
+    long_prompt = list(range(speculative.BACKGROUND_INDEX_TOKENS))
+    assert new_state(SpecConfig(), [1, 2], [3], padded=True).adaptive.padded
+    assert new_state(SpecConfig(), long_prompt, [1], padded=True).adaptive.padded
+    assert not new_state(SpecConfig(), [1, 2], [3]).adaptive.padded
+    draft = SpecConfig(method="draft", draft_model="/m")  # a draft's proposals cost a forward each
+    assert not new_state(draft, [1, 2], [3], padded=True).adaptive.padded
 
 
 def test_speculative_settings_parse():
