@@ -108,6 +108,13 @@ class EngineConfig:
     # the scores materialised); "auto": false on CUDA (engine/mlx_settings.py says what chose it).
     # No effect on Metal or the CPU, where MLX builds no per-shape plans.
     cudnn_attention: bool | str = "auto"
+    # Own step: a step's decode rows and prompt chunks as one forward (each projection and MLP run
+    # once over all their tokens, attention per part: modelio/flat_llama.py) rather than two (the
+    # decode rows', then the chunks'), for llama models. "auto": on the CPU backend, where a chunk in
+    # a forward of its own nearly doubled a decoding step (docs/measurements.md, session 15); off on
+    # GPUs until measured there: a prefix hit's admitting step took 2.5 plain steps on the H100 with
+    # two forwards (docs/accelerators.md, session 26; the A/B: `pomona-set:flat_step=true`).
+    flat_step: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -138,6 +145,8 @@ class EngineConfig:
             raise ValueError(f"engine.first_token_read must be one of {FIRST_TOKEN_READS}, got {self.first_token_read!r}")
         if self.cudnn_attention not in (True, False, "auto"):
             raise ValueError('engine.cudnn_attention must be true, false or "auto"')
+        if self.flat_step not in (True, False, "auto"):
+            raise ValueError('engine.flat_step must be true, false or "auto"')
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         if not isinstance(self.policy, SchedulingPolicy):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
@@ -154,6 +163,10 @@ class EngineConfig:
         if self.first_token_read == "auto":
             return "now" if on_cpu else "hits"
         return self.first_token_read
+
+    def flat_steps(self, on_cpu: bool) -> bool:
+        """`flat_step` made concrete for the backend (the model must also support it)."""
+        return on_cpu if self.flat_step == "auto" else bool(self.flat_step)
 
     def direct_first_token_limit(self, on_cpu: bool) -> int:
         """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""

@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models import llama
 
 from modelio.cpu_kernels import silu_mul, softmax_parts
+from modelio.flat_llama import FlatAttention, swap_attention
 
 log = logging.getLogger("pomona.models")
 
@@ -151,17 +152,16 @@ def _grouped(mask: mx.array, H: int, Hk: int, rep: int) -> mx.array:
     return mx.expand_dims(mask, -3)
 
 
-class CpuAttention(llama.Attention):
+class CpuAttention(FlatAttention):
     """mlx-lm's llama attention with the softmax of `attention` above; rope and cache as mlx-lm's.
 
-    It also takes a *flat* forward (a cache with `parts`, see `flat_attention`): the decode rows
-    and the prompt chunks of one engine step as one sequence of tokens, so every projection and
-    MLP runs once over all of them, as one matrix, instead of once per group.
+    It also takes a *flat* forward (`FlatAttention`, modelio/flat_llama.py): the decode rows and the
+    prompt chunks of one engine step as one sequence of tokens, each part attended with `_attend`.
     """
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
         if cache is not None and hasattr(cache, "bits"):  # quantized KV: mlx-lm's own path
-            return super().__call__(x, mask, cache)
+            return llama.Attention.__call__(self, x, mask, cache)
         if cache is not None and hasattr(cache, "parts"):
             return self.o_proj(self.flat_attention(x, cache))
         B, L, _ = x.shape
@@ -172,35 +172,6 @@ class CpuAttention(llama.Attention):
         else:
             q, k = self.rope(q), self.rope(k)
         return self.o_proj(self._attend(q, k, v, mask).transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def flat_attention(self, x: mx.array, cache: Any) -> mx.array:
-        """Attention for x of shape (1, N, dim) whose N tokens are `cache.parts` in order: each part
-        a (view, rows, tokens) of `rows` sequences feeding `tokens` each, with its own rotary
-        offsets, cache rows and mask (the view's `offset`, `update`, `fetch`, `make_mask`).
-
-        Every part writes its keys before any part reads: a read of the table between two writes
-        would keep the older array alive and make MLX copy the whole table for the next write.
-        """
-        q_all, k_all, v_all = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries, start = [], 0
-        for view, rows, tokens in cache.parts:
-            span = slice(start, start + rows * tokens)
-            q, k, v = self._heads(q_all[:, span], k_all[:, span], v_all[:, span], rows, tokens)
-            q, k = self.rope(q, offset=view.offset), self.rope(k, offset=view.offset)
-            view.update(k, v)
-            queries.append(q)
-            start += rows * tokens
-        outs = []
-        for (view, rows, tokens), q in zip(cache.parts, queries):
-            k, v = view.fetch()
-            out = self._attend(q, k, v, view.make_mask(tokens))
-            outs.append(out.transpose(0, 2, 1, 3).reshape(1, rows * tokens, -1))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-
-    def _heads(self, q: mx.array, k: mx.array, v: mx.array, B: int, L: int) -> tuple[mx.array, mx.array, mx.array]:
-        return (q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3),
-                k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3),
-                v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any) -> mx.array:
         L = q.shape[2]
@@ -227,25 +198,7 @@ class CpuMLP(llama.MLP):
 def accelerate(model: nn.Module) -> int:
     """Swap `CpuAttention`/`CpuMLP` into the llama blocks of `model` in place; returns how many
     blocks changed (0 for models of other architectures, which are left alone)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    args = getattr(model, "args", None)
-    changed = 0
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(attn) is not llama.Attention or type(mlp) is not llama.MLP or args is None:
-            continue
-        fast_attn = _rebuilt(CpuAttention, attn, args)
-        fast_attn.rope = attn.rope  # the same rope object (and its frequencies), not a new one
-        layer.self_attn = fast_attn
-        layer.mlp = _rebuilt(CpuMLP, mlp, args)
-        changed += 1
+    changed = swap_attention(model, CpuAttention, CpuMLP)
     if changed:
         log.info("CPU fast paths (SiLU, softmax) on %d llama blocks", changed)
     return changed
-
-
-def _rebuilt(cls: type, module: nn.Module, args: Any) -> nn.Module:
-    """A `cls` holding `module`'s parameters (the arrays themselves, not copies)."""
-    new = cls(args)
-    new.update(module.parameters())
-    return new

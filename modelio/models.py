@@ -335,6 +335,10 @@ def load_model(path: Path, dtype: str | None = None, cpu_fast_paths: bool = True
 
         if accelerate(model):
             described += " (CPU fast paths)"
+    elif on != "cpu":
+        from modelio.flat_llama import flatten
+
+        flatten(model)  # the same results for every cache but the own step's flat one (`engine.flat_step`)
     log.info("loaded %s on %s as %s (dtype=%r) in %.1f s", path, on, described, dtype,
              time.monotonic() - started)
     return LoadedModel(

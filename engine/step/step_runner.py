@@ -79,7 +79,12 @@ class StepRunner:
         self._shapes = layer_shapes(model)
         self._stall = StallBudget(config.max_decode_stall)
         self._block = self._backend.position_block
-        self._flat = self._backend.flat  # decode and prompt chunks in one forward
+        # Decode rows and prompt chunks in one forward (`flat_step`): the CPU's flat step (its fast-path
+        # blocks, evaluated as built and timed for the stall budget), or a GPU's (any llama model,
+        # `modelio.flat_llama`; chunks padded to the prefill buckets, left in flight like any step).
+        flat = config.flat_steps(self._backend.on_cpu) and supports_flat(model)
+        self._flat = self._backend.flat and flat
+        self._flat_mixed = not self._backend.on_cpu and flat and config.max_kv_size is None
         # For the step report: prompt tokens fed, host time building steps, time waiting for a
         # step's tokens, and the distinct forward shapes (each a kernel compile on a JIT backend).
         self._counts = {"prefill_tokens": 0, "forwards": 0, "build_s": 0.0, "wait_s": 0.0, "rows_reused": 0}
@@ -126,7 +131,7 @@ class StepRunner:
         reference = self._model(mx.array([prompt]), cache=make_prompt_cache(self._model))[0, -1]
         self._grow(2, len(prompt) + 1)
         batch = Batch(self._kv, [0], len(prompt), [1], round_up(len(prompt), self._block))
-        views = [batch.views()] + ([flat_views([batch])] if self._flat else [])
+        views = [batch.views()] + ([flat_views([batch])] if self._flat or self._flat_mixed else [])
         scale = float(mx.abs(reference).max().item()) or 1.0
         for cache in views:
             ours = logits_at(self._model, mx.array([prompt]), cache, [(0, len(prompt) - 1)])[0]
@@ -364,6 +369,8 @@ class StepRunner:
                 work = self._flat_step([s for s in decode if s not in verify], [], verify)
             elif chunks and self._flat:
                 work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
+            elif chunks and decode and not verify and self._flat_mixed:
+                work = self._flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks])
             else:
                 if verify:  # every decoding row in one forward, padded to the most proposals
                     work = self._verify_group(decode, verify)
@@ -434,7 +441,10 @@ class StepRunner:
         On the 2-core box a forward costs ~one pass over the weights whatever its rows, so a
         chunk in a forward of its own nearly doubled a decoding step."""
         verify = verify or {}
-        self._grow(self._table.span, max([s.length + n + 1 for s, n in chunks]
+        # On a GPU each chunk is padded to its prefill bucket (`prefill_shape`: few shapes to compile).
+        shapes = [prefill_shape(n, s.length, self._block) if self._backend.bucketed_prefill
+                  else (n, self._keys_len(s.length + n)) for s, n in chunks]
+        self._grow(self._table.span, max([max(s.length + width, keys_len) + 1 for (s, _), (width, keys_len) in zip(chunks, shapes)]
                                          + [s.length + len(p) + 2 for s, p in verify.items()]))
         batches, inputs, at = [], [], []
         if decode:
@@ -456,13 +466,13 @@ class StepRunner:
             at += [(0, start + b * group.tokens + j) for b, s in enumerate(group_slots) for j in range(len(verify[s]) + 1)]
             start += group.count * group.tokens
         ending = []
-        for s, n in chunks:
-            batches.append(Batch(self._kv, [s.length], n, [s.row], self._keys_len(s.length + n)))
-            inputs.append(mx.array(s.rest[s.fed:s.fed + n], dtype=mx.int32))
-            start += n
+        for (s, n), (width, keys_len) in zip(chunks, shapes):
+            batches.append(Batch(self._kv, [s.length], width, [s.row], keys_len, None if width == n else [n]))
+            inputs.append(mx.array(s.rest[s.fed:s.fed + n] + [0] * (width - n), dtype=mx.int32))
             if s.fed + n == len(s.rest):
                 ending.append(s)
-                at.append((0, start - 1))
+                at.append((0, start + n - 1))
+            start += width
         self._shapes_seen.add((sum(b.count * b.tokens for b in batches), batches[-1].keys_len, self._kv.capacity))
         self._counts["prefill_tokens"] += sum(n for _, n in chunks)
         self._counts["forwards"] += 1

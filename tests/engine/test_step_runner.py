@@ -23,6 +23,7 @@ from engine.step.kv_table import FlatView
 from engine.step.step_runner import StepRunner
 from engine.types import SamplingParams
 from modelio.cpu_llama import accelerate
+from modelio.flat_llama import flatten
 from engine_helpers import collect, make_engine, request, run
 from hybrid_models import hybrid_model_dir  # noqa: F401  (a fixture)
 
@@ -411,6 +412,47 @@ def test_gpu_prefill_shapes_come_from_a_few_buckets_and_match(model):
     assert_same(ours, drive(model, Runner, jobs))
     prefills = {(w, k) for g, w, k, _ in (s for s in made[0]._shapes_seen if len(s) == 4) if w > 1}
     assert prefills and all(w % 256 == 0 and k % 256 == 0 for w, k in prefills)
+
+
+@pytest.fixture(scope="module")
+def flat_model(tiny_model_dir):
+    """mlx-lm's llama with `FlatAttention` swapped in, as `modelio.models` loads it on a GPU."""
+    loaded = mlx_lm.load(str(tiny_model_dir))[0]
+    assert flatten(loaded) > 0
+    return loaded
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("spec", ["off", "auto"])
+def test_a_gpus_flat_step_matches_with_chunks_padded_to_their_buckets(flat_model, seed, spec):
+    """`flat_step: true` on a GPU: decode rows and prompt chunks (each padded to its prefill bucket)
+    in one forward; tokens and logprobs are mlx-lm's, with cached prefixes, aborts and speculation."""
+    jobs = random_jobs(flat_model.args.vocab_size, seed=seed, n=10, spread=30)
+    jobs[3].prefix = len(jobs[3].prompt) // 2
+    jobs[5].abort = jobs[5].arrive + 4
+    made: list = []
+    ours = drive(flat_model, lambda m, c: made.append(gpu_shaped(m, replace(c, flat_step=True, speculative=spec)))
+                 or made[-1], jobs, max_batch_tokens=96)
+    assert_same(ours, drive(flat_model, Runner, jobs))
+    assert made[0]._flat_mixed and not made[0]._flat  # noqa: SLF001 - which step ran
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_gpus_step_with_decodes_and_a_chunk_is_one_forward_with_flat_step(flat_model, flat):
+    runner = gpu_shaped(flat_model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64,
+                                                 flat_step=flat, speculative="off"))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    runner.insert("0", list(range(1, 20)), [], None, make_decoding(params, 19, []), 60)
+    for _ in range(3):
+        runner.step()
+    runner.insert("1", list(range(5, 300)), [], None, make_decoding(params, 295, []), 5)
+    before = runner.counters()["forwards"]
+    prompts, _ = runner.step()
+    assert [p.request_id for p in prompts] == ["1"] and not prompts[0].end_of_prompt
+    assert runner.counters()["forwards"] - before == (1 if flat else 2)
+    assert EngineConfig(model="tiny").flat_steps(on_cpu=True) and not EngineConfig(model="tiny").flat_steps(on_cpu=False)
+    with pytest.raises(ValueError, match="flat_step"):
+        EngineConfig(model="tiny", flat_step="sometimes")
 
 
 def test_a_turn_whose_prefix_a_free_row_still_holds_takes_that_row(model):
