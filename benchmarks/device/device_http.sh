@@ -29,7 +29,7 @@
 #          $OUT/path-<shape>.json.
 # reuse:   benchmarks/harness/side_by_side.py --parts prefix,multiturn: prefix repetition (4 x 2,000-token prefixes,
 #          32 requests, 4 concurrent) and multi-turn (4 conversations x 8 turns), both servers one after the
-#          other, one untimed warm pass at 1 and 4 first. ~150 s; REUSE_TIMEOUT (240 s).
+#          other, one untimed warm pass at 1 and 4 first. ~150 s a server pair, and 90-120 s for each Pomona to serve on a fresh machine (H100, session 26); REUSE_TIMEOUT (420 s).
 #          $OUT/reuse-<shape>.json, $OUT/logs-reuse.tgz.
 # prefixpart: benchmarks/engine/prefix_part.py: the reuse part's prefix workload through the engine in process, each
 #          warm request's TTFT split by the step log (to admission, the admitting step, the steps after it);
@@ -174,7 +174,7 @@ for what in ${1//,/ }; do
     reuse)
       M=$(agent_model) || { echo "[reuse] could not build the $SHAPE model"; continue; }
       run=/tmp/reuse-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
-      bounded "${REUSE_TIMEOUT:-240}" python3 -m benchmarks.harness.side_by_side --model "$M" \
+      bounded "${REUSE_TIMEOUT:-420}" python3 -m benchmarks.harness.side_by_side --model "$M" \
         --servers "${SERVERS:-pomona,mlx_lm.server}" --parts prefix,multiturn --no-bare --warm 1,4 \
         --base-port "$REUSE_PORT" --docs "" --out "$run" 2>"$run/logs/side_by_side.stderr" ||
         { tail -c 2000 "$run/logs/side_by_side.stderr"; leftovers "$run" "$REUSE_PORT" $((REUSE_PORT + 1)); }
