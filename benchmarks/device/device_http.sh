@@ -58,7 +58,7 @@
 # goals:   benchmarks/device/device_goals.py: the issue's ratios from whichever of those files $OUT holds (each
 #          part also prints its own). Each part runs under `timeout -s INT -k 45` (on the interrupt the
 #          benchmark stops its servers and keeps what it measured) and reports its time as "[part] N s".
-#          Two calls of <= 10 minutes: `agent` (worst 420 + 45 s), then `reuse` (420 + 45 s), then `ssd,goals` (210 + 45 s).
+#          Three calls of <= 10 minutes: `agent` (worst 420 + 45 s), then `reuse` (420 + 45 s), then `ssd,goals` (210 + 45 s).
 # Environment: SIDE_TAG: a suffix for the 1b/smollm2 parts' files (two runs in one call). NO_SSD=1 runs without the SSD tier (serve_config.yaml's ssd_dir: null) everywhere; SERVERS,
 # LEVELS (concurrencies) and SIDE_FLAGS (e.g. --no-bare) narrow the side by side.
 # Results: $OUT/token_path.json, $OUT/side-<model>.json, $OUT/logs-<model>.tgz (few files: $OUT takes 8).
