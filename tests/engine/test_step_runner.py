@@ -210,6 +210,12 @@ def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model
     forward (a CPU forward costs about one pass over the weights, whatever its rows); with mlx-lm's
     own blocks they are two forwards."""
     runner = StepRunner(model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64))
+    flat = hasattr(model.model.layers[0].self_attn, "flat_attention")
+    assert forwards_of_a_step_with_a_chunk(runner) == (1 if flat else 2)
+
+
+def forwards_of_a_step_with_a_chunk(runner) -> int:
+    """The forwards of a step in which one request decodes and another's prompt feeds a chunk."""
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     runner.insert("0", list(range(1, 20)), [], None, make_decoding(params, 19, []), 60)
     for _ in range(3):
@@ -218,8 +224,7 @@ def test_decodes_and_a_prompt_chunk_share_one_forward_on_the_cpu_fast_path(model
     before = runner.counters()["forwards"]
     prompts, _ = runner.step()
     assert [p.request_id for p in prompts] == ["1"] and not prompts[0].end_of_prompt
-    flat = hasattr(model.model.layers[0].self_attn, "flat_attention")
-    assert runner.counters()["forwards"] - before == (1 if flat else 2)
+    return runner.counters()["forwards"] - before
 
 
 def test_models_the_step_cannot_run_fall_back_once_with_a_log(model, hybrid_model_dir, caplog, monkeypatch):
@@ -441,15 +446,7 @@ def test_a_gpus_flat_step_matches_with_chunks_padded_to_their_buckets(flat_model
 def test_a_gpus_step_with_decodes_and_a_chunk_is_one_forward_with_flat_step(flat_model, flat):
     runner = gpu_shaped(flat_model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64,
                                                  flat_step=flat, speculative="off"))
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    runner.insert("0", list(range(1, 20)), [], None, make_decoding(params, 19, []), 60)
-    for _ in range(3):
-        runner.step()
-    runner.insert("1", list(range(5, 300)), [], None, make_decoding(params, 295, []), 5)
-    before = runner.counters()["forwards"]
-    prompts, _ = runner.step()
-    assert [p.request_id for p in prompts] == ["1"] and not prompts[0].end_of_prompt
-    assert runner.counters()["forwards"] - before == (1 if flat else 2)
+    assert forwards_of_a_step_with_a_chunk(runner) == (1 if flat else 2)
     assert EngineConfig(model="tiny").flat_steps(on_cpu=True) and not EngineConfig(model="tiny").flat_steps(on_cpu=False)
     with pytest.raises(ValueError, match="flat_step"):
         EngineConfig(model="tiny", flat_step="sometimes")

@@ -54,11 +54,14 @@ def test_a_flat_forward_of_two_rows_equals_each_rows_own_forward(models) -> None
 
 
 def test_other_architectures_are_left_alone() -> None:
+    """Both swaps (`flatten` here, the CPU's `accelerate`) change llama blocks only."""
     import mlx.nn as nn
+
+    from modelio.cpu_llama import accelerate
 
     class NotLlama(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.layers = [nn.Linear(4, 4)]
 
-    assert flatten(NotLlama()) == 0
+    assert flatten(NotLlama()) == 0 and accelerate(NotLlama()) == 0
