@@ -369,8 +369,9 @@ class StepRunner:
                 work = self._flat_step([s for s in decode if s not in verify], [], verify)
             elif chunks and self._flat:
                 work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
-            elif chunks and decode and not verify and self._flat_mixed:
-                work = self._flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks])
+            elif chunks and decode and self._flat_mixed:
+                work = self._flat_step([s for s in decode if s not in verify], [(self._slots[c.key], c.tokens) for c in chunks],
+                                       verify)
             else:
                 if verify:  # every decoding row in one forward, padded to the most proposals
                     work = self._verify_group(decode, verify)
@@ -458,7 +459,10 @@ class StepRunner:
         # together (`width_groups`), since on a CPU a padded position costs a real one and each
         # part's rope, writes and attention cost a few ms a step whatever its tokens.
         verify = dict(sorted(verify.items(), key=lambda item: len(item[1])))
-        for group_slots in width_groups(list(verify), [len(p) + 1 for p in verify.values()]):
+        # A GPU verifies at one fixed width (`_verify_batch`): one part, as its own verifying forward does.
+        groups = [list(verify)] if verify and self._backend.fixed_verify_width \
+            else width_groups(list(verify), [len(p) + 1 for p in verify.values()])
+        for group_slots in groups:
             group = self._verify_batch(group_slots, [len(verify[s]) + 1 for s in group_slots])
             batches.append(group)
             inputs.append(mx.array([x for s in group_slots for x in self._padded(s, verify[s], group.tokens)],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx_lm
@@ -183,6 +184,32 @@ def test_a_gpu_verifies_at_any_rows_only_where_the_gate_says_it_pays(model, cost
         assert proposed > taken > 0 and runner.counters()["spec_declined_steps"] == 0
     else:
         assert proposed == 0 and runner.counters()["spec_declined_steps"] > 0
+
+
+def test_a_gpus_flat_step_verifies_beside_prompt_chunks_in_one_forward_and_matches(tiny_model_dir):
+    """`flat_step: true` on a GPU: a step that verifies proposals while prompts feed chunks is one
+    forward too (the verifying rows one part at the fixed width, the plain rows one, each chunk
+    one): every step one forward, output mlx-lm's."""
+    from modelio.flat_llama import flatten
+
+    model = mlx_lm.load(str(tiny_model_dir))[0]
+    assert flatten(model) > 0
+    jobs = echo_jobs(model, seed=11, n=8, spread=30)
+    seen: dict = {}
+    calls = [0]
+    make = gated_runner("auto", seen, FixedGate(1.0))
+
+    def counted(m, config):
+        runner = make(m, replace(config, flat_step=True))
+        step = runner.step
+        runner.step = lambda: (calls.__setitem__(0, calls[0] + 1), step())[1]  # our own class: count calls
+        return runner
+    ours = drive(model, counted, jobs, max_running=8, max_batch_tokens=64)
+    assert_same(ours, drive(model, Runner, jobs, max_running=8))
+    runner = seen["runner"]
+    proposed, taken = counts(runner)
+    assert proposed > taken > 0
+    assert runner.counters()["forwards"] <= calls[0]
 
 
 class OnceGate(FixedGate):
