@@ -17,6 +17,7 @@ the step reads one record chosen at start-up (engine/step/backend.py), never the
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Sequence
 
@@ -35,6 +36,8 @@ from engine.step.plan import MIN_PREFILL_TOKENS, SlotTable, StallBudget, plan_pr
 from engine.step.records import Slot, Work, merge
 from engine.step.sampling import first_token, process_logits, sample, sample_positions
 from engine.step.speculative import SpecConfig, SpecGate, accepted, new_state, resolve
+
+log = logging.getLogger("pomona.engine")
 
 FLAT_EXTRA_POSITIONS = 4  # what a CPU flat forward's parts cost beyond a plain forward, in positions
 SPEC_PARTS = 3  # most parts a CPU flat step puts its verifying rows in (`width_groups`)
@@ -83,6 +86,9 @@ class StepRunner:
         # blocks, evaluated as built and timed for the stall budget), or a GPU's (any llama model,
         # `modelio.flat_llama`; chunks padded to the prefill buckets, left in flight like any step).
         flat = config.flat_steps(self._backend.on_cpu) and supports_flat(model)
+        if config.flat_step is True and not flat:
+            log.info("engine.flat_step: this model's attention takes no flat forward (llama blocks do); "
+                     "a step with prompt chunks runs two forwards")
         self._flat = self._backend.flat and flat
         self._flat_mixed = not self._backend.on_cpu and flat and config.max_kv_size is None
         # For the step report: prompt tokens fed, host time building steps, time waiting for a

@@ -452,6 +452,15 @@ def test_a_gpus_step_with_decodes_and_a_chunk_is_one_forward_with_flat_step(flat
         EngineConfig(model="tiny", flat_step="sometimes")
 
 
+def test_flat_step_on_a_model_without_flat_attention_says_so_and_runs_two_forwards(tiny_model_dir, caplog):
+    plain_model = mlx_lm.load(str(tiny_model_dir))[0]  # mlx-lm's blocks, as a non-llama model would be
+    with caplog.at_level("INFO", logger="pomona.engine"):
+        runner = gpu_shaped(plain_model, EngineConfig(model="tiny", max_running=4, prefill_batch=4,
+                                                      max_batch_tokens=64, flat_step=True, speculative="off"))
+    assert "takes no flat forward" in caplog.text
+    assert forwards_of_a_step_with_a_chunk(runner) == 2
+
+
 def test_a_turn_whose_prefix_a_free_row_still_holds_takes_that_row(model):
     """An agent's next turn: its restored prefix is what the row of its previous turn still holds,
     so the row is taken again and nothing is copied in; the output is the reference's. A prompt
