@@ -68,26 +68,24 @@ class FlatAttention(llama.Attention):
 
 
 def swap_attention(model: nn.Module, cls: type, swap_mlp: type | None = None) -> int:
-    """Put `cls` (a subclass of llama's `Attention`) in place of every plain llama attention of
-    `model`, holding the same parameters and rope (and `swap_mlp` in place of its MLP); returns how
-    many blocks changed (0 for other architectures, which are left alone)."""
+    """Make every plain llama attention of `model` a `cls` (a subclass of llama's `Attention` that
+    adds methods only), and its MLP a `swap_mlp` where given; returns how many blocks changed (0 for
+    other architectures, which are left alone).
+
+    The modules change class in place rather than being rebuilt: each keeps its own layers as
+    loaded (a 4-bit checkpoint's `QuantizedLinear`s, whose `scales` a new dense module has no place
+    for), its parameters and its rope."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
-    args = getattr(model, "args", None)
     changed = 0
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(attn) is not llama.Attention or args is None:
+        if type(attn) is not llama.Attention:
             continue
         if swap_mlp is not None and type(mlp) is not llama.MLP:
             continue
-        new = cls(args)
-        new.update(attn.parameters())  # the arrays themselves, not copies
-        new.rope = attn.rope  # the same rope object (and its frequencies), not a new one
-        layer.self_attn = new
+        attn.__class__ = cls
         if swap_mlp is not None:
-            fast = swap_mlp(args)
-            fast.update(mlp.parameters())
-            layer.mlp = fast
+            mlp.__class__ = swap_mlp
         changed += 1
     return changed
 

@@ -186,3 +186,16 @@ def test_the_step_report_splits_a_levels_mean_ttft_by_the_servers_own_sums() -> 
     got = report(before, after, 2.0)
     assert (got["engine_ttft_ms"], got["engine_queue_ms"], got["ingress_ttft_ms"]) == (100.0, 20.0, 150.0)
     assert from_metrics("pomona_time_to_first_token_seconds_sum 1.0") is None  # no engine: not Pomona's
+
+
+def test_step_build_times_each_kind_of_gpu_step_and_computes_nothing(tiny_model_dir: Path) -> None:
+    """benchmarks/engine/step_build.py: the host time of building a GPU-shaped decode step and a
+    mixed one (two forwards, one flat), with MLX's evaluation put back afterwards."""
+    import mlx.core as mx
+
+    from benchmarks.engine.step_build import run
+
+    start_work = mx.async_eval
+    result = run(str(tiny_model_dir), rows=2, chunk=20, rounds=3)
+    assert set(result) == {"decode", "mixed-two", "mixed-flat"} and all(ms > 0 for ms in result.values())
+    assert mx.async_eval is start_work
