@@ -53,6 +53,22 @@ def test_a_flat_forward_of_two_rows_equals_each_rows_own_forward(models) -> None
         assert mx.allclose(got, want, atol=1e-4).item(), prompt
 
 
+def test_a_quantized_llama_keeps_its_quantized_layers_and_its_logits(tiny_model_dir: Path) -> None:
+    """A GPU loads a 4-bit checkpoint as stored: the swap keeps its `QuantizedLinear`s (a module
+    rebuilt dense would have no place for their scales)."""
+    import mlx.nn as nn
+
+    ref, _ = mlx_load_model(tiny_model_dir)
+    nn.quantize(ref, group_size=32, bits=4)
+    flat, _ = mlx_load_model(tiny_model_dir)
+    nn.quantize(flat, group_size=32, bits=4)
+    assert flatten(flat) == len(flat.model.layers)
+    attn = flat.model.layers[0].self_attn
+    assert type(attn) is FlatAttention and isinstance(attn.q_proj, nn.QuantizedLinear)
+    tokens = mx.array([[5, 17, 42, 3, 99, 7, 12, 250, 31, 8]])
+    assert mx.array_equal(ref(tokens, cache=make_prompt_cache(ref)), flat(tokens, cache=make_prompt_cache(flat))).item()
+
+
 def test_other_architectures_are_left_alone() -> None:
     """Both swaps (`flatten` here, the CPU's `accelerate`) change llama blocks only."""
     import mlx.nn as nn
