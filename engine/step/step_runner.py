@@ -376,8 +376,8 @@ class StepRunner:
             elif chunks and self._flat:
                 work = self._timed_flat_step(decode, [(self._slots[c.key], c.tokens) for c in chunks], verify)
             elif chunks and decode and self._flat_mixed:
-                work = self._flat_step([s for s in decode if s not in verify], [(self._slots[c.key], c.tokens) for c in chunks],
-                                       verify)
+                work = self._flat_step([s for s in decode if s not in verify],
+                                       [(self._slots[c.key], c.tokens) for c in chunks], verify)
             else:
                 if verify:  # every decoding row in one forward, padded to the most proposals
                     work = self._verify_group(decode, verify)
@@ -443,16 +443,18 @@ class StepRunner:
 
     def _flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
                    verify: dict[Slot, list[int]] | None = None) -> Work:
-        """The decode rows and every prompt chunk as one flat forward (the CPU fast-path llama's
-        `flat_attention`): the weights are read and every projection runs once for all of them.
-        On the 2-core box a forward costs ~one pass over the weights whatever its rows, so a
-        chunk in a forward of its own nearly doubled a decoding step."""
+        """The decode rows, the verifying rows and every prompt chunk as one flat forward
+        (`flat_attention`: modelio/flat_llama.py, the CPU's fast-path blocks extend it): the weights
+        are read and every projection runs once for all of them. On the 2-core box a forward costs
+        ~one pass over the weights whatever its rows, so a chunk in a forward of its own nearly
+        doubled a decoding step; a GPU's host builds one forward instead of two (-15 %,
+        benchmarks/engine/step_build.py)."""
         verify = verify or {}
         # On a GPU each chunk is padded to its prefill bucket (`prefill_shape`: few shapes to compile).
         shapes = [prefill_shape(n, s.length, self._block) if self._backend.bucketed_prefill
                   else (n, self._keys_len(s.length + n)) for s, n in chunks]
-        self._grow(self._table.span, max([max(s.length + width, keys_len) + 1 for (s, _), (width, keys_len) in zip(chunks, shapes)]
-                                         + [s.length + len(p) + 2 for s, p in verify.items()]))
+        ends = [max(s.length + width, keys_len) + 1 for (s, _), (width, keys_len) in zip(chunks, shapes)]
+        self._grow(self._table.span, max(ends + [s.length + len(p) + 2 for s, p in verify.items()]))
         batches, inputs, at = [], [], []
         if decode:
             batch, decode_inputs = self._decode_batch(decode)
