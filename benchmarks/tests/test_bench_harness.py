@@ -197,5 +197,5 @@ def test_step_build_times_each_kind_of_gpu_step_and_computes_nothing(tiny_model_
 
     start_work = mx.async_eval
     result = run(str(tiny_model_dir), rows=2, chunk=20, rounds=3)
-    assert set(result) == {"decode", "mixed-two", "mixed-flat"} and all(ms > 0 for ms in result.values())
+    assert set(result) == {"decode", "mixed-two", "mixed-flat", "verify"} and all(ms > 0 for ms in result.values())
     assert mx.async_eval is start_work
