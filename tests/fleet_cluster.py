@@ -82,15 +82,16 @@ def _pomona(args: list[str], env: dict[str, str]) -> None:
 
 @contextlib.contextmanager
 def local_cluster(names: tuple[str, ...] = ("a", "b"), cpus_per_node: int = 1,
-                  port_base: int = 24000, object_store_bytes: int = 100 * 2**20) -> Iterator[tuple[str, list[LocalNode]]]:
+                  port_base: int = 24000, object_store_bytes: int = 100 * 2**20,
+                  flags: tuple[str, ...] = ()) -> Iterator[tuple[str, list[LocalNode]]]:
     """Yields (GCS address, nodes); the first node is the head. Every node declares apple_silicon
-    (`--dev-apple-silicon`), so one LLM replica may run on each."""
+    (`--dev-apple-silicon`), so one LLM replica may run on each; `flags`: more node flags for all."""
     tag = uuid.uuid4().hex[:6]
     nodes = [LocalNode(n, f"/tmp/pf-{tag}-{n}", port_base + 200 * (i + 1)) for i, n in enumerate(names)]
     gcs_port = port_base
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     common = ["--dev-apple-silicon", f"--num-cpus={cpus_per_node}", f"--object-store-memory={object_store_bytes}",
-              "--node-ip-address=127.0.0.1", "--auth=disabled"]
+              "--node-ip-address=127.0.0.1", "--auth=disabled", *flags]
     try:
         for i, node in enumerate(nodes):
             where = ["start", "--head", f"--port={gcs_port}"] if i == 0 else ["join", f"127.0.0.1:{gcs_port}"]

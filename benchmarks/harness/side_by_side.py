@@ -53,7 +53,10 @@ ALL_SERVERS = ("pomona", "vllm-mlx", "mlx_lm.server")
 # (e.g. pomona,pomona-set:mlx_cache_limit=null).
 SET_PREFIX = "pomona-set:"
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# maxconn 1024: HAProxy asks for ~2.5 file descriptors a connection, and importing mlx_lm (as this
+# harness does) caps the process and every server it starts at 4,096 (mlx_lm/utils.py), below what
+# Serve's default 4,096 connections need (10,276): HAProxy would not start.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
 VARIANT_ENV = {"pomona-throughput": THROUGHPUT_ENV, "pomona-haproxy": HAPROXY_ENV,
                "pomona-haproxy-throughput": {**HAPROXY_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 OVERHEAD_CONCURRENCY = 16  # the serving-overhead goal compares HTTP and bare loop here

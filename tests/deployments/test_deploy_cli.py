@@ -51,6 +51,25 @@ def test_auth_mode_is_always_explicit():
     assert node.ray_env(opts, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"})["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
 
 
+def test_haproxy_is_asked_of_serve_through_the_nodes_environment(capsys, monkeypatch):
+    """`--haproxy`: Serve's controller reads RAY_SERVE_ENABLE_HA_PROXY from the node's processes'
+    environment; without a haproxy binary the node is not started and the message says what to install."""
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in node.ray_env(node.NodeOptions(head=True), {})
+    env = node.ray_env(node.NodeOptions(head=True, haproxy=True), {}, nofile_hard_limit=65536)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "RAY_SERVE_HAPROXY_MAXCONN" not in env
+    # under mlx_lm's hard limit (4,096 files) HAProxy gets the connections it can open
+    capped = int(node.ray_env(node.NodeOptions(head=True, haproxy=True), {}, nofile_hard_limit=4096)
+                 ["RAY_SERVE_HAPROXY_MAXCONN"])
+    assert 1000 < capped and 2.5 * capped + 36 <= 4096
+    assert cli.main(["node", "start", "--head", "--haproxy", "--dry-run"]) == 0
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().out
+    assert node.haproxy_binary({"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"}) == "/opt/haproxy"
+    monkeypatch.setattr(node, "haproxy_binary", lambda environ=None: None)
+    monkeypatch.setattr(node, "run", lambda *a, **k: pytest.fail("ray start ran without haproxy"))
+    assert node.start(node.NodeOptions(head=True, haproxy=True)) == 2
+    assert "brew install haproxy" in capsys.readouterr().err
+
+
 def test_dry_run_prints_the_command(capsys):
     assert cli.main(["node", "start", "--head", "--dev-apple-silicon", "--dry-run"]) == 0
     out = capsys.readouterr().out
