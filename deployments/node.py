@@ -122,6 +122,7 @@ def private_ports(base: int, head: bool) -> list[str]:
 
 HAPROXY_MAXCONN = 4096  # Serve's default for HAProxy's maxconn
 HAPROXY_FDS_PER_CONN = 2.51  # HAProxy's descriptors a connection (4,096 -> 10,276, its own message)
+HAPROXY_METRICS_OFFSET = 10  # HAProxy's Prometheus and stats ports, past `private_ports`' fixed ones
 
 
 def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
@@ -147,6 +148,11 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
         # HAProxy asks for ~2.5 descriptors a connection (Serve's default 4,096 connections: 10,276)
         # and will not start under a lower hard limit, which importing mlx_lm sets for its process
         # and children (2,048 / 4,096, mlx_lm/utils.py): fewer connections where that is all there is.
+        # HAProxy also listens for Prometheus (9101) and its stats page (8404) on every interface; a
+        # node with private ports (several on one machine) gets its own there too.
+        if opts.port_base:
+            env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(opts.port_base + HAPROXY_METRICS_OFFSET))
+            env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(opts.port_base + HAPROXY_METRICS_OFFSET + 1))
         hard = nofile_hard() if nofile_hard_limit is None else nofile_hard_limit
         if hard < HAPROXY_FDS_PER_CONN * HAPROXY_MAXCONN + 64:
             env.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(max(64, int((hard - 64) / HAPROXY_FDS_PER_CONN))))

@@ -61,6 +61,10 @@ def test_haproxy_is_asked_of_serve_through_the_nodes_environment(capsys, monkeyp
     capped = int(node.ray_env(node.NodeOptions(head=True, haproxy=True), {}, nofile_hard_limit=4096)
                  ["RAY_SERVE_HAPROXY_MAXCONN"])
     assert 1000 < capped and 2.5 * capped + 36 <= 4096
+    # two nodes on one machine: HAProxy's Prometheus and stats ports follow the node's private ports
+    ported = node.ray_env(node.NodeOptions(head=True, haproxy=True, port_base=30000), {}, nofile_hard_limit=65536)
+    assert {ported["RAY_SERVE_HAPROXY_METRICS_PORT"], ported["RAY_SERVE_HAPROXY_STATS_PORT"]} == {"30010", "30011"}
+    assert not set(ported.values()) & {f"{30000 + i}" for i in range(2, 8)}
     assert cli.main(["node", "start", "--head", "--haproxy", "--dry-run"]) == 0
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in capsys.readouterr().out
     assert node.haproxy_binary({"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"}) == "/opt/haproxy"
