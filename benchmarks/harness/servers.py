@@ -172,5 +172,15 @@ def terminate(list_pids: Callable[[], list[int]], grace_s: float = 10.0) -> None
 
 
 def _stop_marked(marker: str, grace_s: float = 10.0) -> None:
-    """Stop each process of this run that outlived its process group."""
-    terminate(lambda: _marked_pids(marker), grace_s)
+    """Stop each process of this run that outlived its process group, and what those started: a
+    process a Ray worker spawned (Serve's HAProxy) names no marker and, once the raylet is gone,
+    lives on under init holding its ports, so the tree is listed before anything is stopped."""
+    import psutil
+
+    tree: set[int] = set()
+    for pid in _marked_pids(marker):
+        tree.add(pid)
+        with contextlib.suppress(psutil.Error):
+            tree.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+    tree.discard(os.getpid())
+    terminate(lambda: sorted(set(_marked_pids(marker)) | {p for p in tree if psutil.pid_exists(p)}), grace_s)

@@ -92,9 +92,11 @@ def make_spec(name: str, model_dir: Path, port: int, run_dir: Path, max_batch: i
             engine["engine_step"] = "mlx_lm"
         if name == "pomona-nossd":  # the SSD tier off, the rest of the cache settings as configured
             engine["cache"] = {"ssd_dir": None}
+        env = VARIANT_ENV.get(name)
+        if env is not None and HAPROXY_ENV.items() <= env.items():  # HAProxy's own ports, per server
+            env = {**env, "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 300), "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 400)}
         return pomona_server(model_dir, port, run_dir, eos_extra_body("ignore_eos", []), engine=engine or None,
-                             app_args=app_args.get(name), name=name,
-                             env=VARIANT_ENV.get(name))
+                             app_args=app_args.get(name), name=name, env=env)
     if name == "vllm-mlx":
         return vllm_mlx_server(model_dir, port, bias, run_dir / "vllm-mlx-home")
     if name == "mlx_lm.server":
