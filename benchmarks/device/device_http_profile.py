@@ -7,7 +7,8 @@ untimed pass, then the suite's random workload at `--concurrency` while `py-spy 
 Serve process (raw collapsed stacks, all threads, GIL holder marked) for `--seconds`. Prints per
 process: CPU seconds over the load, and per thread the share of samples and the top frames by
 self samples; the raw stacks go to $PYSPY_DIR/<variant>/pyspy-<process>.txt (default /tmp/pyspy). Variants: `ingress4` (4 ingress
-replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept); `-nossd`: the same without the SSD tier; `nocache`: no prefix cache; `inproc-nossd`: the engine
+replicas), `unpaced` (stream_items_per_s 0), `throughput` (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, proxy kept), `haproxy`
+(Serve's HAProxy ingress in place of its Python proxy, as `pomona node start --haproxy`); `-nossd`: the same without the SSD tier; `nocache`: no prefix cache; `inproc-nossd`: the engine
 inside the replica's process (engine_process: false).
 """
 
@@ -33,6 +34,8 @@ from benchmarks.harness.workloads import TextMaker, build, full_suite
 # Ray's processes by their "ray::" names; "engine_worker" is the engine's own process (engine_process: true)
 PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor", "engine_worker")
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+# As benchmarks.harness.side_by_side's: 1,024 connections fit under mlx_lm's descriptor cap
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
 NO_SSD = {"ssd_dir": None}
 # name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process,
 # prefix-cache settings over serve_config.yaml's)
@@ -43,6 +46,8 @@ VARIANTS = {
     # Ray Serve's throughput-optimized mode (user code on the replica's main loop, router in the same
     # loop, gRPC between proxy and replicas, buffered access logs), keeping its HTTP proxy.
     "throughput": ({}, THROUGHPUT_ENV, {}),
+    # HAProxy forwards to the ingress replica's own HTTP server: no Python proxy relaying each chunk.
+    "haproxy": ({}, HAPROXY_ENV, {}),
     # The same without the SSD tier: what the stack costs apart from the prefix cache's host work.
     "nossd": ({}, {}, NO_SSD),
     "unpaced-nossd": ({"stream_items_per_s": 0}, {}, NO_SSD),
