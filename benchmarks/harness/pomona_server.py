@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,12 @@ def generated_config(model_dir: Path, port: int, run_dir: Path, base: Path = SER
         if cache.get("ssd_dir"):
             # Keep the SSD tier as configured, but empty: the default directory outlives runs, and an
             # earlier run's entries would turn this run's "cold" prompts into SSD hits.
-            cache["ssd_dir"] = str(run_dir / f"{name}-ssd-cache")  # one per server: not each other's hits
+            # One per server (not each other's hits), and emptied here: an --out directory used again
+            # kept the last run's entries, and its second server read 100 % of the prefix part from
+            # them against the first's 85 % (session 27).
+            ssd = run_dir / f"{name}-ssd-cache"
+            shutil.rmtree(ssd, ignore_errors=True)
+            cache["ssd_dir"] = str(ssd)
         app["args"] = args
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"{name}_serve_config.yaml"

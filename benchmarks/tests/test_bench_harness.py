@@ -98,6 +98,9 @@ def test_the_nossd_spec_turns_only_the_ssd_tier_off(tmp_path: Path) -> None:
     from benchmarks.harness.side_by_side import make_spec
 
     base = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]["args"]["engine"]["cache"]
+    left = tmp_path / "pomona-ssd-cache" / "an-earlier-runs-entry"  # the same --out directory used again
+    left.parent.mkdir()
+    left.write_text("stale")
     configs = {}
     for name in ("pomona", "pomona-nossd"):
         make_spec(name, tmp_path / "model", 18000, tmp_path)
@@ -105,6 +108,7 @@ def test_the_nossd_spec_turns_only_the_ssd_tier_off(tmp_path: Path) -> None:
         configs[name] = app["args"]["engine"]["cache"]
     assert configs["pomona-nossd"] == {**base, "ssd_dir": None}
     assert configs["pomona"]["ssd_dir"] == str(tmp_path / "pomona-ssd-cache")
+    assert not left.exists(), "a server's SSD tier must start empty, whatever an earlier run left"
     assert {k: v for k, v in configs["pomona"].items() if k != "ssd_dir"} == \
         {k: v for k, v in base.items() if k != "ssd_dir"}
 
