@@ -142,8 +142,8 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
     if opts.haproxy:
         # Serve's HAProxy ingress: HAProxy (C) takes the HTTP port and forwards each request to the
         # ingress replica's own HTTP server, so no Python proxy parses requests or relays every
-        # streamed chunk through a Ray call (the 2-core box: the prefix workload's front 48-61 ->
-        # 28 ms a request, benchmarks/results/measurements-runs.md "Session 27"). Serve's
+        # streamed chunk through a Ray call (the 2-core box at 8 / 32 streams: +11-25 % / +0-5 %
+        # tok/s, the TTFT's front halved; benchmarks/results/measurements-runs.md "Session 27"). Serve's
         # controller reads it from the environment of the node's processes.
         env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         # HAProxy asks for ~2.5 descriptors a connection (Serve's default 4,096 connections: 10,276)
