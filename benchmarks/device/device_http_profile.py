@@ -29,13 +29,12 @@ from benchmarks.harness.pomona_server import pomona_server
 from benchmarks.harness.proc_cpu import diff
 from benchmarks.harness.serve_bench import eos_extra_body, run_workload
 from benchmarks.harness.servers import launched
+from benchmarks.harness.side_by_side import HAPROXY_ENV
 from benchmarks.harness.workloads import TextMaker, build, full_suite
 
 # Ray's processes by their "ray::" names; "engine_worker" is the engine's own process (engine_process: true)
 PROCESSES = ("ServeReplica:pomona:LLMServer", "ServeReplica:pomona:Ingress", "ProxyActor", "engine_worker")
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-# As benchmarks.harness.side_by_side's: 1,024 connections fit under mlx_lm's descriptor cap
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
 NO_SSD = {"ssd_dir": None}
 # name -> (app args over serve_config.yaml's, environment of `ray start` and so of every Serve process,
 # prefix-cache settings over serve_config.yaml's)
