@@ -146,9 +146,6 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
         # tok/s, the TTFT's front halved; benchmarks/results/measurements-runs.md "Session 27"). Serve's
         # controller reads it from the environment of the node's processes.
         env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-        # HAProxy asks for ~2.5 descriptors a connection (Serve's default 4,096 connections: 10,276)
-        # and will not start under a lower hard limit, which importing mlx_lm sets for its process
-        # and children (2,048 / 4,096, mlx_lm/utils.py): fewer connections where that is all there is.
         # HAProxy also listens for Prometheus (9101) and its stats page (8404) on every interface; a
         # node with private ports (several on one machine) gets its own there too.
         if opts.port_base:
@@ -159,6 +156,9 @@ def ray_env(opts: NodeOptions, environ: Mapping[str, str] = os.environ,
         # down (`pomona serve`, `drain_s`), and 30 s more made Serve's controller miss its 30 s
         # shutdown, so that a `serve run` right after was refused (the drain test through HAProxy).
         env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(HAPROXY_INGRESS_DRAIN_S))
+        # HAProxy asks for ~2.5 descriptors a connection (Serve's default 4,096 connections: 10,276)
+        # and will not start under a lower hard limit, which importing mlx_lm sets for its process
+        # and children (2,048 / 4,096, mlx_lm/utils.py): fewer connections where that is all there is.
         hard = nofile_hard() if nofile_hard_limit is None else nofile_hard_limit
         if hard < HAPROXY_FDS_PER_CONN * HAPROXY_MAXCONN + 64:
             env.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(max(64, int((hard - 64) / HAPROXY_FDS_PER_CONN))))
