@@ -110,10 +110,12 @@ class EngineConfig:
     cudnn_attention: bool | str = "auto"
     # Own step: a step's decode rows and prompt chunks as one forward (each projection and MLP run
     # once over all their tokens, attention per part: modelio/flat_llama.py) rather than two (the
-    # decode rows', then the chunks'), for llama models. "auto": on the CPU backend, where a chunk in
-    # a forward of its own nearly doubled a decoding step (docs/measurements.md, session 15); off on
-    # GPUs until measured there: a prefix hit's admitting step took 2.5 plain steps on the H100 with
-    # two forwards (docs/accelerators.md, session 26; the A/B: `pomona-set:flat_step=true`).
+    # decode rows', then the chunks'), for llama models. "auto": on, on every backend, as measured on
+    # each: on the CPU a chunk in a forward of its own nearly doubled a decoding step
+    # (docs/measurements.md, session 15); on the H100 (session 28, `device_http.sh prefixpart`, the
+    # engine in process) a prefix hit's admitting step ran in 25.9 ms against 33.0 (p50), its TTFT
+    # p50 / mean 58.4 / 63.5 ms against 62.6 / 94.6, and the device host built such a step 10 %
+    # faster at 1 / 8 / 32 rows (benchmarks/engine/step_build.py). false: two forwards.
     flat_step: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -164,9 +166,9 @@ class EngineConfig:
             return "now" if on_cpu else "hits"
         return self.first_token_read
 
-    def flat_steps(self, on_cpu: bool) -> bool:
-        """`flat_step` made concrete for the backend (the model must also support it)."""
-        return on_cpu if self.flat_step == "auto" else bool(self.flat_step)
+    def flat_steps(self) -> bool:
+        """`flat_step` made concrete ("auto": on; the model must also support it)."""
+        return self.flat_step in (True, "auto")
 
     def direct_first_token_limit(self, on_cpu: bool) -> int:
         """Longest uncached prompt rest that gets its first token outside the batch (0: never)."""

@@ -85,7 +85,7 @@ class StepRunner:
         # Decode rows and prompt chunks in one forward (`flat_step`): the CPU's flat step (its fast-path
         # blocks, evaluated as built and timed for the stall budget), or a GPU's (any llama model,
         # `modelio.flat_llama`; chunks padded to the prefill buckets, left in flight like any step).
-        flat = config.flat_steps(self._backend.on_cpu) and supports_flat(model)
+        flat = config.flat_steps() and supports_flat(model)
         if config.flat_step is True and not flat:
             log.info("engine.flat_step: this model's attention takes no flat forward (llama blocks do); "
                      "a step with prompt chunks runs two forwards")

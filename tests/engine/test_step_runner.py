@@ -395,8 +395,9 @@ def test_bounded_kv_direct_first_token_matches_the_batch(model):
 
 
 def gpu_shaped(model, config):
-    """The own step as it runs on a GPU (bucketed shapes, padded prefill groups, no flat forward),
-    run here on the CPU: MLX computes the same ops on either device."""
+    """The own step as it runs on a GPU (bucketed shapes, padded prefill groups; a flat forward for
+    a step with decode rows and chunks where `flat_step` and the model allow), run here on the CPU:
+    MLX computes the same ops on either device."""
     return StepRunner(model, config, on_cpu=False)
 
 
@@ -447,7 +448,7 @@ def test_a_gpus_step_with_decodes_and_a_chunk_is_one_forward_with_flat_step(flat
     runner = gpu_shaped(flat_model, EngineConfig(model="tiny", max_running=4, prefill_batch=4, max_batch_tokens=64,
                                                  flat_step=flat, speculative="off"))
     assert forwards_of_a_step_with_a_chunk(runner) == (1 if flat else 2)
-    assert EngineConfig(model="tiny").flat_steps(on_cpu=True) and not EngineConfig(model="tiny").flat_steps(on_cpu=False)
+    assert EngineConfig(model="tiny").flat_steps() and not EngineConfig(model="tiny", flat_step=False).flat_steps()
     with pytest.raises(ValueError, match="flat_step"):
         EngineConfig(model="tiny", flat_step="sometimes")
 
