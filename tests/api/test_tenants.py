@@ -331,6 +331,28 @@ def test_the_tokenizer_queue_is_bounded():
     asyncio.run(main())
 
 
+def test_a_burst_the_engine_would_queue_is_not_refused_by_the_tokenizer():
+    """Clients whose requests end in the same step send their next ones together; behind an ingress
+    that forwards them at once the whole burst waits here, and the engine's queue (not this
+    backstop) is what refuses: 64 refused 61 of 384 requests at 128 concurrent on the H100."""
+    from api.core.fields import Limits
+    from engine.config import EngineConfig
+
+    engine = EngineConfig(model="tiny")
+    burst = engine.max_waiting + engine.max_running
+
+    async def main() -> None:
+        pool = TokenizerPool(Limits().max_tokenizer_queue)
+        release = threading.Event()
+        jobs = [asyncio.ensure_future(pool.run(release.wait)) for _ in range(burst)]
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        assert not [r for r in results if isinstance(r, BaseException)]
+        pool.shutdown()
+    asyncio.run(main())
+
+
 def test_count_tokens_waits_in_the_same_bounded_queue(tiny_model_dir):
     server = server_for(tiny_model_dir, **KEYED, limits={"max_tokenizer_queue": 1})
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
