@@ -25,7 +25,8 @@ from benchmarks.harness.client import percentile
 
 def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, prefix_cache: bool = True,
                   overrides: dict[str, Any] | None = None) -> Any:
-    """serve_config.yaml's engine settings for `model_dir`; `overrides`: settings replaced (--engine K=V)."""
+    """serve_config.yaml's engine settings for `model_dir`; `overrides`: settings replaced (--engine K=V;
+    `cache.K` replaces one cache setting)."""
     import yaml
 
     from benchmarks.harness.pomona_server import SERVE_CONFIG
@@ -43,8 +44,11 @@ def engine_config(model_dir: str, max_running: int | None, ssd_dir: str | None, 
         cache["ssd_dir"] = ssd_dir  # empty, as the HTTP run's (benchmarks/harness/pomona_server.py); None: no SSD tier
     if not prefix_cache:
         cache["enabled"] = False
+    overrides = dict(overrides or {})
+    for key in [k for k in overrides if k.startswith("cache.")]:  # one cache setting, the rest kept
+        cache[key.removeprefix("cache.")] = overrides.pop(key)
     engine["cache"] = cache
-    engine.update(overrides or {})
+    engine.update(overrides)
     return EngineConfig.from_dict(engine)
 
 

@@ -137,6 +137,18 @@ def test_a_set_spec_replaces_one_engine_setting_and_keeps_the_rest(tmp_path: Pat
         make_spec("pomona-set:prefill_chunk", tmp_path / "model", 18000, tmp_path)
 
 
+def test_the_in_process_engine_config_takes_one_cache_setting_by_a_dotted_key(tmp_path: Path) -> None:
+    """`--engine cache.K=V` (agent_breakdown, prefix_part) replaces that cache setting and keeps the
+    SSD directory the benchmark gave and the rest of serve_config.yaml's cache block."""
+    from benchmarks.engine.engine_loop import engine_config
+
+    base = engine_config(str(tmp_path), 4, str(tmp_path / "ssd"))
+    idle = engine_config(str(tmp_path), 4, str(tmp_path / "ssd"), overrides={"cache.ssd_write": "idle", "prefill_chunk": 512})
+    assert (idle.cache.ssd_write, base.cache.ssd_write) == ("idle", "through")
+    assert idle.cache.ssd_dir == base.cache.ssd_dir == str(tmp_path / "ssd") and idle.prefill_chunk == 512
+    assert idle.cache.block_size == base.cache.block_size and idle.cache.ram_fraction == base.cache.ram_fraction
+
+
 def test_spec_replay_counts_what_the_engine_proposes_and_accepts(tiny_model_dir: Path) -> None:
     """The replay (benchmarks/engine/spec_replay.py) runs the step's own proposal classes over a greedy
     output: for one request it must propose and accept exactly what the engine's step did."""
