@@ -129,8 +129,7 @@ async def run_variant(model_dir: str, overrides: dict[str, Any], quick: bool, co
     # ignore_cleanup_errors: a shutdown that outlasts its 30 s join (a slow disk's backlog on a 2-core box)
     # leaves the SSD writer finishing a file while the directory is removed; the figures are already taken.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as ssd_dir:
-        if (overrides.get("cache") or {}).get("ssd_dir"):  # a fresh directory, never the user's
-            overrides = {**overrides, "cache": {**overrides["cache"], "ssd_dir": ssd_dir}}
+        # a fresh SSD directory, never the user's (`cache.ssd_dir=null` turns the tier off)
         engine = timed_engine(engine_config(model_dir, None, ssd_dir, overrides=overrides), log)
         await engine.wait_ready(600)
         warm = chat_prompts(tokenizer, [[{"role": "user", "content": "warm up"}]] * 2)
@@ -162,22 +161,12 @@ async def run_variant(model_dir: str, overrides: dict[str, Any], quick: bool, co
 
 
 def _parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """"name:KEY=VALUE,KEY=VALUE" -> (name, overrides); dotted keys go into the cache mapping."""
+    """"name:KEY=VALUE,KEY=VALUE" -> (name, overrides), values read as YAML; `cache.K` keys replace
+    one cache setting (`engine_loop.engine_config`)."""
     import yaml
 
-    from benchmarks.harness.pomona_server import SERVE_CONFIG
-
     name, _, rest = spec.partition(":")
-    overrides: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        if key.startswith("cache."):
-            if "cache" not in overrides:
-                app = (yaml.safe_load(SERVE_CONFIG.read_text()).get("applications") or [{}])[0]
-                overrides["cache"] = dict(((app.get("args") or {}).get("engine") or {}).get("cache") or {})
-            overrides["cache"][key[len("cache."):]] = yaml.safe_load(value)
-        else:
-            overrides[key] = yaml.safe_load(value)
+    overrides = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in filter(None, rest.split(",")))}
     return name, overrides
 
 
