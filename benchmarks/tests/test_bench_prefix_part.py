@@ -25,7 +25,11 @@ def test_a_request_never_admitted_keeps_only_its_ttft():
 
 
 def test_variants_override_engine_and_cache_settings():
+    from benchmarks.engine.engine_loop import engine_config
+
     name, overrides = _parse_variant("nossd:cache.ssd_dir=null,prefill_chunk=512")
-    assert name == "nossd" and overrides["prefill_chunk"] == 512
-    assert overrides["cache"]["ssd_dir"] is None and overrides["cache"]["block_size"] == 64  # the rest as configured
+    assert name == "nossd" and overrides == {"cache.ssd_dir": None, "prefill_chunk": 512}
+    config = engine_config("model", None, "/tmp/fresh-ssd", overrides=overrides)
+    assert config.cache.ssd_dir is None and config.cache.block_size == 64 and config.prefill_chunk == 512  # the rest as configured
+    assert engine_config("model", None, "/tmp/fresh-ssd", overrides=_parse_variant("d:")[1]).cache.ssd_dir == "/tmp/fresh-ssd"
     assert _parse_variant("default:") == ("default", {})
