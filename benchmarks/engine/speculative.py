@@ -152,7 +152,19 @@ async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
     declined = after.get("spec_declined_steps", 0) - runner.get("spec_declined_steps", 0)
     return {"tok_s": tokens / duration, "tokens": tokens, "duration_s": duration, "outputs": outs,
             "proposed": proposed, "accepted": accepted, "kind": after.get("kind"),
-            "declined_steps": declined, "gate_ms": after.get("spec_gate_ms", {})}
+            "declined_steps": declined, "gate_ms": after.get("spec_gate_ms", {}),
+            "memory_gb": await engine.call(_memory)}
+
+
+def _memory(engine: Any) -> dict[str, float]:
+    """On the engine's MLX thread: MLX's memory (process-wide: both engines of this benchmark) and
+    this engine's RAM tier, in GB. Why: the H100 run of session 28 stopped in the agent workload at 8
+    streams with `cudaGraphInstantiate ... out of memory`, and said nothing of where memory went."""
+    import mlx.core as mx
+
+    ram = engine.store.stats().get("ram", {})
+    return {"active": round(mx.get_active_memory() / 1e9, 2), "cache": round(mx.get_cache_memory() / 1e9, 2),
+            "peak": round(mx.get_peak_memory() / 1e9, 2), "ram_tier": round(ram.get("bytes", 0) / 1e9, 2)}
 
 
 def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int, spec: Any,
@@ -209,7 +221,7 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                     "accept_rate": round(accepted / proposed, 3) if proposed else None,
                     "tokens_per_request": round(row["on"][0]["tokens"] / len(prompts), 1),
                     "runner": row["on"][0]["kind"], "declined_steps": [x["declined_steps"] for x in row["on"]],
-                    "gate_ms": row["on"][-1]["gate_ms"], **checks}
+                    "gate_ms": row["on"][-1]["gate_ms"], "memory_gb": row["on"][-1]["memory_gb"], **checks}
                 print(_line(results[f"{workload}/{c}"]), flush=True)
         for engine in engines.values():
             await engine.shutdown(drain_s=0)
@@ -223,7 +235,8 @@ def _line(r: dict[str, Any]) -> str:
             f"tok/s  x{r['ratio']:.2f}  same={r['same_tokens']}  accepted {r['accepted']}/{r['proposed']}"
             + "".join(f"  {k}={r[k]}" for k in ("same_requests", "off_repeat_same", "off_alone_same", "on_alone_same")
                       if k in r)
-            + (f"  declined={r['declined_steps']} gate_ms={r['gate_ms']}" if r.get("gate_ms") else ""))
+            + (f"  declined={r['declined_steps']} gate_ms={r['gate_ms']}" if r.get("gate_ms") else "")
+            + (f"  memory_gb={r['memory_gb']}" if r.get("memory_gb") else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
