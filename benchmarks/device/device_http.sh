@@ -50,7 +50,8 @@
 # spec:    benchmarks/engine/speculative.py (issue 34): speculation off / on in process on a real model
 #          (SPEC_MODEL, default /tmp/models/smollm2-real: the default model's directory, carried), code-edit,
 #          random and agent workloads at 1, 8, 32 (SPEC_LEVELS, SPEC_WORKLOADS, SPEC_ON, SPEC_TOKENS; SPEC_FLAGS, e.g.
-#          "--repeats 2 --alone 8": warm shapes, and batched greedy output against each prompt alone). $OUT/spec$SPEC_TAG.log.
+#          "--repeats 2 --alone 8": warm shapes, and batched greedy output against each prompt alone), each workload in
+#          a process of its own within SPEC_TIMEOUT. $OUT/spec$SPEC_TAG-<workload>.log.
 # restore: benchmarks/engine/restore_stall.py on the agent model: an SSD hit after a restart, a second one, then a RAM
 #          hit of a RESTORE_TOKENS-token prompt (15000) beside two decoding streams; its last line is what the
 #          engine learned of SSD reads against prefills (`cache.ssd_reads`). ~60 s; RESTORE_TIMEOUT (240 s).
@@ -143,11 +144,19 @@ for what in ${1//,/ }; do
     spec)  # issue 34: speculation off / on, engine in process, on a real model ($SPEC_MODEL: SmolLM2-135M-
       # Instruct as Pomona serves it, 4-bit; its context raised to 16k for the agent turns, 5-8k tokens).
       # SPEC_ON's default is quoted: an unquoted } in it would end the ${...:-} early.
-      bounded "${SPEC_TIMEOUT:-360}" python3 -m benchmarks.engine.speculative "${SPEC_MODEL:-/tmp/models/smollm2-real}" \
-        --concurrency "${SPEC_LEVELS:-1,8,32}" --workloads "${SPEC_WORKLOADS:-code-edit,random,agent}" \
-        --spec "${SPEC_ON:-"{method: prompt_lookup}"}" --max-tokens "${SPEC_TOKENS:-300}" ${SPEC_FLAGS:-} >"$OUTDIR/spec${SPEC_TAG:-}.log" \
-        2>/tmp/spec.stderr || tail -c 2000 /tmp/spec.stderr
-      grep -v '^{' "$OUTDIR/spec${SPEC_TAG:-}.log" ;;
+      # A process per workload, within one SPEC_TIMEOUT: one workload's fault (session 28: the agent turns
+      # at 8 streams ran the device out of memory, and the process aborted) keeps the others' figures.
+      deadline=$(( $(date +%s) + ${SPEC_TIMEOUT:-360} ))
+      IFS=, read -ra spec_works <<< "${SPEC_WORKLOADS:-code-edit,random,agent}"
+      for w in "${spec_works[@]}"; do
+        left=$(( deadline - $(date +%s) ))
+        [ "$left" -gt 30 ] || { echo "[spec] no time left for $w"; break; }
+        bounded "$left" python3 -m benchmarks.engine.speculative "${SPEC_MODEL:-/tmp/models/smollm2-real}" \
+          --concurrency "${SPEC_LEVELS:-1,8,32}" --workloads "$w" \
+          --spec "${SPEC_ON:-"{method: prompt_lookup}"}" --max-tokens "${SPEC_TOKENS:-300}" ${SPEC_FLAGS:-} \
+          >"$OUTDIR/spec${SPEC_TAG:-}-$w.log" 2>"/tmp/spec-$w.stderr" || tail -c 2000 "/tmp/spec-$w.stderr"
+        grep -v '^{' "$OUTDIR/spec${SPEC_TAG:-}-$w.log"
+      done ;;
     agent)
       M=$(agent_model) || { echo "[agent] could not build the $SHAPE model"; continue; }
       run=/tmp/agent-$SHAPE; rm -rf "$run"; mkdir -p "$run/logs"
