@@ -113,7 +113,7 @@ class EngineConfig:
     # decode rows', then the chunks'), for llama models. "auto": on, on every backend, as measured on
     # each: on the CPU a chunk in a forward of its own nearly doubled a decoding step
     # (docs/measurements.md, session 15); on the H100 (session 28, `device_http.sh prefixpart`, the
-    # engine in process) a prefix hit's admitting step ran in 25.9 ms against 33.0 (p50), its TTFT
+    # engine in process) the batch of a prefix hit's admitting step ran in 25.9 ms against 33.0 (p50), its TTFT
     # p50 / mean 58.4 / 63.5 ms against 62.6 / 94.6, and the device host built such a step 10 %
     # faster at 1 / 8 / 32 rows (benchmarks/engine/step_build.py). false: two forwards.
     flat_step: bool | str = "auto"
