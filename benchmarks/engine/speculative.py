@@ -150,8 +150,12 @@ async def level(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
     # The GPU's gate: steps it kept from verifying during this level, and its periods after it
     # (engine/step/speculative.py SpecGate), so a level that gained little says whether the gate held it back.
     declined = after.get("spec_declined_steps", 0) - runner.get("spec_declined_steps", 0)
+    # A GPU's verifying steps built before the step in flight was read, and the rows' parts of them
+    # dropped because that step did not accept all their proposals (engine/step/step_runner.py `_chains`).
+    chained, void = (after.get(k, 0) - runner.get(k, 0) for k in ("spec_chained_steps", "spec_void_rows"))
     return {"tok_s": tokens / duration, "tokens": tokens, "duration_s": duration, "outputs": outs,
             "proposed": proposed, "accepted": accepted, "kind": after.get("kind"),
+            "steps": after.get("spec_steps", 0) - runner.get("spec_steps", 0), "chained": chained, "void": void,
             "declined_steps": declined, "gate_ms": after.get("spec_gate_ms", {}),
             "memory_gb": await engine.call(_memory)}
 
@@ -221,6 +225,8 @@ def run(model: str, concurrencies: Sequence[int], max_tokens: int, repeats: int,
                     "accept_rate": round(accepted / proposed, 3) if proposed else None,
                     "tokens_per_request": round(row["on"][0]["tokens"] / len(prompts), 1),
                     "runner": row["on"][0]["kind"], "declined_steps": [x["declined_steps"] for x in row["on"]],
+                    "verify_steps": sum(x["steps"] for x in row["on"]), "chained_steps": sum(x["chained"] for x in row["on"]),
+                    "void_rows": sum(x["void"] for x in row["on"]),
                     "gate_ms": row["on"][-1]["gate_ms"], "memory_gb": row["on"][-1]["memory_gb"], **checks}
                 print(_line(results[f"{workload}/{c}"]), flush=True)
         for engine in engines.values():
@@ -235,6 +241,8 @@ def _line(r: dict[str, Any]) -> str:
             f"tok/s  x{r['ratio']:.2f}  same={r['same_tokens']}  accepted {r['accepted']}/{r['proposed']}"
             + "".join(f"  {k}={r[k]}" for k in ("same_requests", "off_repeat_same", "off_alone_same", "on_alone_same")
                       if k in r)
+            + (f"  verify_steps={r['verify_steps']} chained={r['chained_steps']} void={r['void_rows']}"
+               if r.get("verify_steps") else "")
             + (f"  declined={r['declined_steps']} gate_ms={r['gate_ms']}" if r.get("gate_ms") else "")
             + (f"  memory_gb={r['memory_gb']}" if r.get("memory_gb") else ""))
 

@@ -72,16 +72,21 @@ class StepBackend:
     # it is built (the fast paths evaluate as they go), so a call's time is the step it built; a GPU
     # step runs between two read-backs, so that time is the step read.
     runs_while_built: bool
+    # Whether a verifying step may be built before the step in flight is read back, on the guess
+    # that the rows it verified accept all their proposals (`StepRunner._chains`): a GPU step's
+    # building overlaps the device's work only so; a CPU step mostly runs while it is built.
+    chain_verify: bool
 
 
 CPU = StepBackend(on_cpu=True, position_block=POSITION_BLOCK_CPU, flat=True, exact_rows=True, exact_keys=True,
                   prefill_together=False, bucketed_prefill=False, fixed_verify_width=False,
                   spec_fixed_positions=SPEC_FIXED_POSITIONS_CPU, spec_max_rows=SPEC_MAX_ROWS_CPU,
-                  spec_gate=False, runs_while_built=True)
+                  spec_gate=False, runs_while_built=True,
+                  chain_verify=False)
 GPU = StepBackend(on_cpu=False, position_block=POSITION_BLOCK_GPU, flat=False, exact_rows=False, exact_keys=False,
                   prefill_together=True, bucketed_prefill=True, fixed_verify_width=True,
                   spec_fixed_positions=SPEC_FIXED_POSITIONS_GPU, spec_max_rows=None, spec_gate=True,
-                  runs_while_built=False)
+                  runs_while_built=False, chain_verify=True)
 
 
 def step_backend(on_cpu: bool, flat_supported: bool) -> StepBackend:

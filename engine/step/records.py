@@ -47,14 +47,24 @@ class Work:
     # Rows that verified proposals (their last token and `proposals` fed): slot -> proposals; its
     # output index is the first of len(proposals) + 1 sampled positions.
     verified: dict[Slot, list[int]] = field(default_factory=dict)
+    # Positions each decoding or verifying row advanced by (its length and sampled count), so a
+    # row's part can be taken back when it was built on a guess that failed (`void`).
+    widths: dict[Slot, int] = field(default_factory=dict)
+    # Per verifying row, its processors' and sampler's states before each position
+    # (`sample_positions`): what a rejected position restores. Kept with the step, not the row,
+    # since a step built before this one is read verifies the row again.
+    undo: dict[Slot, list[Any]] = field(default_factory=dict)
+    # Rows whose part of this step was built on the guess that the step before it accepted all
+    # of their proposals, and it did not: their part is dropped when this step is read.
+    void: set[Slot] = field(default_factory=set)
 
 
 def merge(a: Work, b: Work) -> Work:
     """A decode step's work and its prefill chunks' (whose outputs index after the decode rows)."""
     shift = a.tokens.shape[0]
-    verified = {**a.verified, **b.verified}
+    kept = dict(verified={**a.verified, **b.verified}, widths={**a.widths, **b.widths}, undo={**a.undo, **b.undo})
     if not b.outputs:
-        return Work(a.outputs, a.tokens, a.logprobs, a.decoding + b.decoding, b.prefill_tokens, b.progress, verified)
+        return Work(a.outputs, a.tokens, a.logprobs, a.decoding + b.decoding, b.prefill_tokens, b.progress, **kept)
     return Work(a.outputs + [(s, i + shift) for s, i in b.outputs], mx.concatenate([a.tokens, b.tokens]),
                 mx.concatenate([a.logprobs, b.logprobs], axis=0), a.decoding + b.decoding, b.prefill_tokens,
-                b.progress, verified)
+                b.progress, **kept)

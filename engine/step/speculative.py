@@ -42,6 +42,10 @@ class SpecConfig:
 
     method: str = "prompt_lookup"
     max_tokens: int = 8
+    # A GPU's verifying step built before the step in flight is read back, on the guess that the
+    # proposals that step verifies all stand (engine/step/step_runner.py `_chains`); false: a
+    # verifying step reads the step in flight first. No effect on a CPU (its step runs as built).
+    chain: bool = True
     # 5, not 3: replayed over recorded greedy outputs (benchmarks/engine/spec_replay.py, session 26),
     # a longer match first lifts code edits 3.28 -> 3.55 tokens a step at one row on the CPU's
     # policy (3.83 -> 4.08 on the GPU's), the agent turns 2.34 -> 2.38, with fewer proposals made.
@@ -59,6 +63,8 @@ class SpecConfig:
             raise ValueError("engine.speculative.max_tokens must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("engine.speculative needs 1 <= ngram_min <= ngram_max")
+        if not isinstance(self.chain, bool):
+            raise ValueError("engine.speculative.chain must be true or false")
 
 
 def parse_speculative(value: Any) -> "str | SpecConfig":
@@ -205,6 +211,24 @@ class PromptLookup:
                 return list(tokens[at:min(at + k, end)])
         return []
 
+    def propose_ahead(self, tokens: Sequence[int], ahead: Sequence[int], k: int) -> list[int]:
+        """`propose` for `tokens` followed by `ahead`, tokens the host only expects (proposals of a
+        step not read back yet): matched and continued through, never indexed, since a guess that
+        fails must leave no trace in the index."""
+        if not ahead:
+            return self.propose(tokens, k)
+        if k <= 0:
+            return []
+        self.sync(tokens)
+        known = len(tokens)
+        tail = list(tokens[max(0, known - self.ngram_max):]) + list(ahead)
+        for n in range(min(self.ngram_max, known + len(ahead)), self.ngram_min - 1, -1):
+            at = self._next[n].get(self._key(tail, len(tail) - n, len(tail)))
+            if at is not None:  # an indexed position: before the end of `tokens`
+                out = list(tokens[at:min(at + k, known)])
+                return out + list(ahead[:k - len(out)])
+        return []
+
 
 # Token ids packed per n-gram key: 21 bits (vocabularies up to 2M ids; the largest are ~260k), three of
 # them in a 63-bit integer, n-grams of 4-6 ids as a pair of such integers (a pair of two list's items
@@ -250,6 +274,9 @@ class Adaptive:
         # How often a lookup asked for proposals found some (decayed, a prior of one found in one):
         # a row whose context holds no match proposes nothing, so it adds nothing a step can expect.
         self._found, self._asked = 1.0, 1.0
+        # How often all of a step's proposals stood (decayed, a prior of one in two): a step built
+        # on that guess before this one is read (`expected_chained`) is lost for the row otherwise.
+        self._full, self._verified = 1.0, 2.0
 
     @property
     def q(self) -> float:
@@ -294,6 +321,14 @@ class Adaptive:
         k = self.limit if self.padded else 1 if self._probe else self._k(floor)
         return (self._found / self._asked) * sum(q ** j for j in range(1, k + 1))
 
+    def expected_chained(self, floor: float = 0.0) -> float:
+        """`expected` where each verifying step is built on the guess that the one before it
+        accepted all of the row's proposals (engine/step/step_runner.py `_chains`): when the guess
+        fails (chance 1 - f) the row's part of the next step is dropped, so a step yields
+        (1 + expected) / (2 - f) tokens of the row on average; what that adds over a plain step's
+        one token (negative where chaining costs the row more than its proposals bring)."""
+        return (1 + self.expected(floor)) / (2 - self._full / self._verified) - 1
+
     def record_lookup(self, found: bool) -> None:
         """A lookup for this row's proposals found some (or none)."""
         self._found = self.decay * self._found + found
@@ -305,6 +340,8 @@ class Adaptive:
         tried = taken + (1 if taken < proposed else 0)
         self._accepted = self.decay * self._accepted + taken
         self._tried = self.decay * self._tried + tried
+        self._full = self.decay * self._full + (taken == proposed)
+        self._verified = self.decay * self._verified + 1
         if self._probe:
             self._probe = False
             if taken:  # the context pays again: the next back-off starts short
@@ -314,13 +351,15 @@ class Adaptive:
 class SpecGate:
     """Whether a step that verifies proposals pays for the overlap it gives up, from steps measured.
 
-    Why: a row proposes only once the host knows its last token, so a verifying step reads the step
-    in flight first and is built while the device waits (engine/step/step_runner.py `step`). Where
-    the step is bound by the host building it (a GPU), a verifying step then costs up to two plain
+    Why: a row proposes once the host knows its last token, so a verifying step read the step in
+    flight first and was built while the device waited (engine/step/step_runner.py `step`). Where
+    the step is bound by the host building it (a GPU), a verifying step then cost up to two plain
     ones: on the H200 at 8 rows the agent turns' proposals (few accepted) lost 0.62-0.81x while code
-    edits (most accepted) gained 2.37x (docs/accelerators.md). So the runner times steps of both
+    edits (most accepted) gained 2.37x (docs/accelerators.md). Chained (`SpecConfig.chain`) it keeps
+    the overlap, but a row whose guess fails loses its next step (`Adaptive.expected_chained`), and
+    a verifying step still computes more. So the runner times steps of both
     kinds by their decoding rows (per power-of-two bucket) and verifies while the tokens the rows'
-    proposals are expected to add (`Adaptive.expected`) pay for the slower step:
+    proposals are expected to add (`Adaptive.expected`, or `expected_chained`) pay for the slower step:
     (rows + expected) / verifying period >= rows / plain period. A kind timed fewer than
     `min_samples` times at a size is tried (a plain step first), and every `explore_every` declined
     steps one verifies anyway, so a period measured long ago under another load is measured again.
@@ -392,15 +431,23 @@ class PendingLookup:
         self._index: PromptLookup | None = None
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        index = self._ready()
+        return index.propose(tokens, k) if index is not None else []
+
+    def propose_ahead(self, tokens: Sequence[int], ahead: Sequence[int], k: int) -> list[int]:
+        index = self._ready()
+        return index.propose_ahead(tokens, ahead, k) if index is not None else []
+
+    def _ready(self) -> "PromptLookup | None":
         if self._index is None:
             if not self._future.done():
-                return []
+                return None
             try:
                 self._index = self._future.result()
             except Exception:  # a fault of the index's build: index here instead, proposals are never wrong
                 log.exception("prompt lookup: building a prompt's index failed; indexing it on the step")
                 self._index = PromptLookup(*self._shape)
-        return self._index.propose(tokens, k)
+        return self._index
 
 
 # Prompts from this many tokens get their index built off the MLX thread (`PendingLookup`); shorter

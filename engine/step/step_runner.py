@@ -106,7 +106,8 @@ class StepRunner:
         self._gate = SpecGate() if self._backend.spec_gate else None
         self._first_token_read = config.first_token_reads(self._backend.on_cpu)
         self._last_end: float | None = None  # when the previous step call ended (the gate's periods)
-        self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0})
+        self._counts.update({"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0,
+                             "spec_chained_steps": 0, "spec_void_rows": 0})
         self._draft: DraftProposer | None = None
         if self.speculative is not None and self.speculative.method == "draft":
             draft = load_draft(self.speculative.draft_model, config.dtype, config.cpu_fast_paths)
@@ -250,8 +251,17 @@ class StepRunner:
         a step that samples a prompt's first token is read back at once where `first_token_read` says."""
         started = time.perf_counter()
         read = self._inflight
-        read_first, gate_after = self._reads_first()
-        if read_first:
+        read_first, gate_after = (False, False) if (chained := self._chains()) else self._reads_first()
+        if chained:
+            # Built before the step in flight is read back, on the guess that its verifying rows
+            # accept all their proposals; reading it then drops the parts of rows where they did not.
+            work = self._start(speculate=True, gate=True, chained=True, pending=read)
+            built = time.perf_counter()
+            generated = self._read(read, after=work)
+            ended = time.perf_counter()
+            self._counts["build_s"] += built - started
+            self._counts["wait_s"] += ended - built
+        elif read_first:
             # Proposals follow a row's last token, which the host must know: read back first (the
             # step no longer overlaps building the next one; on a CPU it never did much).
             self._inflight = None
@@ -277,8 +287,31 @@ class StepRunner:
         else:
             self._time(work, read, ended - started, ended)
             self._inflight = work
-        self._time_kind(read_first, work, read, ended)
+        self._time_kind(self._kind(chained, read_first, work, read), work, read, ended)
         return (work.progress if work else []), generated
+
+    def _chains(self) -> bool:
+        """Whether this step is built before the one in flight is read back (a GPU, whose step's
+        building otherwise stops overlapping the device's work for every verifying step: 1.3x a
+        plain step's period at one row on the H100, 2x at 8-32 rows, session 28). Each row whose
+        last token is still on the device feeds it from there, and proposes what prompt lookup
+        expects after the proposals it verifies in flight, all taken as accepted. Not for a draft
+        model (it feeds on the tokens), rows with logits processors (they see each input on the
+        host), or while prompt chunks wait (their steps read first, as they always did)."""
+        if not self._backend.chain_verify or self.speculative is None or not self.speculative.chain \
+                or self._draft is not None:
+            return False
+        return not any(s.prefilling or s.decoding.logits_processors for s in self._slots.values())
+
+    @staticmethod
+    def _kind(chained: bool, read_first: bool, built: Work | None, read: Work | None) -> bool | None:
+        """The kind of step a call's period times for the gate: verifying, plain, or neither (None).
+        Unchained, a call that read first built a verifying step without overlap; chained, a call
+        between two verifying steps times a verifying one, between two plain ones a plain one."""
+        if not chained:
+            return read_first
+        verifying = [bool(w.verified) for w in (built, read) if w is not None]
+        return verifying[0] if verifying and len(set(verifying)) == 1 else None
 
     def _reads_now(self, work: Work) -> bool:
         """Whether `work` is read back in the call that started it: it samples a prompt's first
@@ -315,27 +348,33 @@ class StepRunner:
         and the step emits about `rows` tokens."""
         return max(SPEC_MIN_FLOOR, rows / (rows + self._backend.spec_fixed_positions))
 
-    def _time_kind(self, read_first: bool, built: Work | None, read: Work | None, ended: float) -> None:
-        """Give the gate this step's period (since the previous call ended), as a verifying one
-        (read first: not overlapped) or a plain one, by its decoding rows; steps with prompt
-        chunks are left out (their period is the chunk's)."""
+    def _time_kind(self, verifying: bool | None, built: Work | None, read: Work | None, ended: float) -> None:
+        """Give the gate this step's period (since the previous call ended), as a verifying one or
+        a plain one (`_kind`), by its decoding rows; steps with prompt chunks are left out (their
+        period is the chunk's)."""
         last, self._last_end = self._last_end, ended
-        if self._gate is None or last is None or built is None or not built.decoding or read is None:
+        if self._gate is None or verifying is None or last is None or built is None or not built.decoding \
+                or read is None:
             return  # (a step that read nothing overlapped nothing: it follows an idle engine or a read-back at once)
         if built.prefill_tokens or (read is not None and read.prefill_tokens):
             return
-        self._gate.record(read_first, built.decoding, ended - last)
+        self._gate.record(verifying, built.decoding, ended - last)
 
-    def _proposals(self, decode: list[Slot], speculate: bool, gate: bool = False) -> dict[Slot, list[int]]:
+    def _proposals(self, decode: list[Slot], speculate: bool, gate: bool = False, chained: bool = False,
+                   pending: dict[Slot, list[int]] | None = None) -> dict[Slot, list[int]]:
         """Each decoding row's proposals for this step (rows with none are left out). Every row's
-        controller counts the step, also when this step cannot speculate. `gate`: the step read
-        first because the one in flight verified; whether to verify again is the gate's (`SpecGate`)."""
+        controller counts the step, also when this step cannot speculate. `gate`: whether to verify
+        is still the gate's (`SpecGate`). `pending`: rows whose next token the step in flight
+        samples, unread, with the proposals it verifies for them: taken as accepted, and the token
+        after them guessed by the lookup, these rows propose what follows that guess. `chained`:
+        steps are built so (`_chains`), which the gate weighs (`Adaptive.expected_chained`)."""
         out: dict[Slot, list[int]] = {}
         if self.speculative is None:
             return out
         floor = self._floor(len(decode))
         if speculate and gate and self._gate is not None:
-            speculate = self._gate.pays(len(decode), sum(s.spec.adaptive.expected(floor) for s in decode))
+            speculate = self._gate.pays(len(decode), sum(s.spec.adaptive.expected_chained(floor) if chained
+                                                         else s.spec.adaptive.expected(floor) for s in decode))
         # On a CPU a verifying step also costs its forward's extra parts, and with more rows
         # decoding the proposals measured a net loss (docs/measurements.md): none past a few rows.
         crowded = self._crowded(len(decode))
@@ -343,7 +382,12 @@ class StepRunner:
             k = min(s.spec.adaptive.budget(floor), s.max_tokens - s.sampled - 1)
             if not speculate or crowded or k <= 0:
                 continue
-            proposals = self._draft.propose(s.spec, s.known, k) if self._draft else s.spec.lookup.propose(s.known, k)
+            if pending is not None and s in pending:
+                proposals = s.spec.lookup.propose_ahead(s.known, pending[s], k + 1)[1:]
+            elif self._draft is not None:
+                proposals = self._draft.propose(s.spec, s.known, k)
+            else:
+                proposals = s.spec.lookup.propose(s.known, k)
             s.spec.adaptive.record_lookup(bool(proposals))
             for process in s.decoding.logits_processors:
                 if proposals and hasattr(process, "admissible"):  # a grammar: cut at its first refusal
@@ -357,9 +401,14 @@ class StepRunner:
         limit = self._spec_rows
         return limit is not None and decoding > limit
 
-    def _start(self, speculate: bool = False, gate: bool = False) -> Work | None:
+    def _start(self, speculate: bool = False, gate: bool = False, chained: bool = False,
+               pending: Work | None = None) -> Work | None:
+        """Plan and start a step. `chained`: built before `pending`, the step in flight, is read
+        back (`_chains`)."""
         decode = [s for s in self._slots.values() if not s.prefilling and s.sampled < s.max_tokens]
-        verify = self._proposals(decode, speculate, gate)
+        unread = {} if pending is None else \
+            {s: pending.verified.get(s, []) for s, _ in pending.outputs if s not in pending.void}
+        verify = self._proposals(decode, speculate, gate, chained, unread)
         waiting = [(s.request_id, len(s.rest) - s.fed) for s in self._slots.values() if s.prefilling]
         stall = self._stall.tokens(len(decode))
         if stall is None and decode and self._stall.ratio is not None:
@@ -380,7 +429,9 @@ class StepRunner:
                                        [(self._slots[c.key], c.tokens) for c in chunks], verify)
             else:
                 if verify:  # every decoding row in one forward, padded to the most proposals
-                    work = self._verify_group(decode, verify)
+                    work = self._verify_group(decode, verify, unread)
+                    if any(unread.get(s) for s in decode):
+                        self._counts["spec_chained_steps"] += 1
                 else:
                     work = self._decode(decode) if decode else None
                 if work is not None and chunks:
@@ -424,7 +475,7 @@ class StepRunner:
         for s in decode:
             s.length += 1
             s.sampled += 1
-        return Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0)
+        return Work([(s, s.row) for s in decode], tokens, logprobs, len(decode), 0, widths={s: 1 for s in decode})
 
     def _timed_flat_step(self, decode: list[Slot], chunks: list[tuple[Slot, int]],
                          verify: dict[Slot, list[int]]) -> Work:
@@ -508,16 +559,21 @@ class StepRunner:
         width = 1 + max(len(p) for p in verify.values())
         return len(decode) * width <= len(decode) + sum(len(p) for p in verify.values()) + FLAT_EXTRA_POSITIONS
 
-    def _verify_group(self, decode: list[Slot], verify: dict[Slot, list[int]]) -> Work:
+    def _verify_group(self, decode: list[Slot], verify: dict[Slot, list[int]],
+                      unread: dict[Slot, list[int]] | None = None) -> Work:
         """Every decoding row in one forward of its last token and its proposals (none for some),
         padded to the longest: the padding writes past each row's length, where the row's next
         tokens overwrite it. On a GPU the width is always the most proposals a row may make, so
-        the widths do not multiply the shapes compiled."""
+        the widths do not multiply the shapes compiled. `unread`: rows whose last token is still
+        on the device (`_proposals`); then every row's first input is taken from there."""
         ins = [s.known[-1:] + verify.get(s, []) for s in decode]
         batch = self._verify_batch(decode, [len(x) for x in ins])
         self._shapes_seen.add((len(decode), batch.tokens, batch.keys_len, self._kv.capacity))
         self._counts["forwards"] += 1
         inputs = mx.array([self._padded(s, verify.get(s, []), batch.tokens) for s in decode], dtype=mx.int32)
+        if unread and any(s in unread for s in decode):
+            last = self._next_input[mx.array([s.row for s in decode], dtype=mx.int32)]
+            inputs = mx.concatenate([last[:, None], inputs[:, 1:]], axis=1)
         logits = logits_at(self._model, inputs, batch.views(), [(b, j) for b, x in enumerate(ins) for j in range(len(x))])
         return self._verified({s: verify.get(s, []) for s in decode}, ins, logits)
 
@@ -546,7 +602,13 @@ class StepRunner:
             s.sampled += len(inputs)
         tokens, logprobs = sample_positions(rows)
         self._counts["spec_steps"] += 1
-        return Work(outputs, tokens, logprobs, len(verify), 0, verified=dict(verify))
+        # Each row's last position samples the token it feeds next if all its proposals stand; left
+        # on the device, where a step built before this one is read takes it (a read feeds the
+        # right one where they did not).
+        last = [at + len(inputs) - 1 for (_, at), (_, inputs, _) in zip(outputs, rows)]
+        self._next_input[mx.array([s.row for s in verify], dtype=mx.int32)] = tokens[mx.array(last, dtype=mx.int32)]
+        return Work(outputs, tokens, logprobs, len(verify), 0, verified=dict(verify),
+                    widths={s: len(inputs) for s, inputs, _ in rows}, undo={s: s.spec.undo for s in verify})
 
     def _keys_len(self, end: int) -> int:
         """A forward's key length: on a GPU bucketed (each new shape is a compile), on a CPU exact,
@@ -619,14 +681,16 @@ class StepRunner:
         self._last_read = ended if read is not None else None
 
     # -- reading back -------------------------------------------------------------------------
-    def _read(self, work: Work | None) -> list[Generated]:
+    def _read(self, work: Work | None, after: Work | None = None) -> list[Generated]:
+        """Read back `work`; `after`: the step already built on it (`_chains`), whose part for a row
+        that did not accept all its proposals is dropped here."""
         if work is None:
             return []
         tokens = work.tokens.tolist()
         out: list[Generated] = []
         feed: list[tuple[int, int]] = []  # (row, token) a verifying row feeds next
         for slot, i in work.outputs:
-            if self._slots.get(slot.request_id) is not slot:  # finished or removed since
+            if self._slots.get(slot.request_id) is not slot or slot in work.void:  # finished, removed, dropped
                 continue
             proposals = work.verified.get(slot)
             if proposals is None:
@@ -634,23 +698,38 @@ class StepRunner:
                 continue
             sampled = tokens[i:i + len(proposals) + 1]
             taken = accepted(proposals, sampled)
-            self._settle(slot, proposals, taken)
+            self._settle(slot, proposals, taken, work.undo.get(slot))
+            if taken < len(proposals):
+                self._void(after, slot)
             for j in range(taken + 1):  # a run ends where the request does: later tokens are dropped
                 g = self._read_one(slot, sampled[j], work.logprobs[i + j])
                 out.append(g)
                 if g.finish_reason is not None:
                     break
             else:
-                feed.append((slot.row, sampled[taken]))
+                if taken < len(proposals):  # else the device holds it already (`_verified`)
+                    feed.append((slot.row, sampled[taken]))
         if feed:
             self._next_input[mx.array([r for r, _ in feed], dtype=mx.int32)] = mx.array([t for _, t in feed],
                                                                                          dtype=mx.int32)
         return out
 
-    def _settle(self, slot: Slot, proposals: list[int], taken: int) -> None:
+    def _void(self, after: Work | None, slot: Slot) -> None:
+        """Drop `slot`'s part of `after`, built on the guess that the step read before it accepted
+        all of the row's proposals: its length and sampled count go back (its KV past the length is
+        overwritten later), and its outputs are not read. Its sampler key went back with the
+        rejected positions (`_settle`: the key from before them, which came before `after`'s)."""
+        if after is None or slot not in after.widths or slot in after.void:
+            return
+        slot.length -= after.widths[slot]
+        slot.sampled -= after.widths[slot]
+        after.void.add(slot)
+        self._counts["spec_void_rows"] += 1
+
+    def _settle(self, slot: Slot, proposals: list[int], taken: int, undo: list[Any] | None) -> None:
         """A verified row's outcome: the rejected positions' KV is dropped (the row's length rolls
         back; later tokens overwrite it), and its processors, sampler key and context go back to
-        where the accepted positions left them."""
+        where the accepted positions left them (`undo`: the step's states before each position)."""
         rejected = len(proposals) - taken
         spec = slot.spec
         if rejected:
@@ -658,13 +737,12 @@ class StepRunner:
             slot.sampled -= rejected
             if slot.decoding.logits_processors and slot.context is not None:
                 slot.context = slot.context[:slot.context.shape[0] - rejected]
-            states, key = spec.undo[taken + 1]
+            states, key = undo[taken + 1]
             for process, state in zip(slot.decoding.logits_processors, states or ()):
                 if state is not None:
                     process.restore(state)
             if key is not None:
                 slot.decoding.sampler.key = key
-        spec.undo = None
         if proposals:
             spec.proposed += len(proposals)
             spec.accepted += taken

@@ -141,6 +141,46 @@ def test_the_gpus_step_verifies_in_one_padded_forward_and_matches(model, k):
     assert proposed > taken > 0
 
 
+@pytest.mark.parametrize("k", [3, 8])
+def test_the_gpus_verifying_steps_chain_on_the_step_in_flight_and_match(model, k):
+    """A GPU's verifying step is built before the step in flight is read back (`_chains`): each row
+    feeds its last token from the device and proposes what follows the proposals in flight, taken
+    as accepted; a row that did not accept them all has its part of the chained step dropped.
+    Greedy output is mlx-lm's, and both happen: chained steps, and dropped parts."""
+    jobs = echo_jobs(model, seed=6, n=5, spread=10)
+    for rows in (1, 8):
+        seen: dict = {}
+        ours = drive(model, gated_runner(SpecConfig(max_tokens=k), seen, FixedGate(1.0)), jobs[:rows], max_running=rows)
+        assert_same(ours, drive(model, Runner, jobs[:rows], max_running=rows))
+        c = seen["runner"].counters()
+        assert c["spec_chained_steps"] > 0 and c["spec_void_rows"] > 0, c
+        assert c["spec_accepted_tokens"] > 0
+
+
+def test_chained_steps_keep_a_seeded_rows_draws(model):
+    """Sampled with a seed, a row draws the same tokens with speculation (chained, dropped parts
+    and all) as without it: a dropped part's draws are taken back with the rejected positions'."""
+    jobs = echo_jobs(model, seed=4, n=4, spread=6)
+    sampling = dict(temperature=0.3, top_k=20)
+    seen: dict = {}
+    off = drive(model, lambda m, config: StepRunner(m, replace(config, speculative="off"), on_cpu=False), jobs,
+                max_running=4, sampling=sampling)
+    ours = drive(model, gated_runner(SpecConfig(max_tokens=6), seen, FixedGate(1.0)), jobs, max_running=4,
+                 sampling=sampling)
+    assert_same(ours, off)
+    c = seen["runner"].counters()
+    assert c["spec_chained_steps"] > 0 and c["spec_void_rows"] > 0, c
+
+
+def test_chain_false_reads_the_step_in_flight_before_verifying(model):
+    jobs = echo_jobs(model, seed=6, n=3, spread=4)
+    seen: dict = {}
+    ours = drive(model, gated_runner(SpecConfig(max_tokens=6, chain=False), seen, FixedGate(1.0)), jobs)
+    assert_same(ours, drive(model, Runner, jobs))
+    c = seen["runner"].counters()
+    assert c["spec_steps"] > 0 and c["spec_chained_steps"] == 0 and c["spec_void_rows"] == 0
+
+
 class FixedGate(SpecGate):
     """A gate whose verifying step always costs `cost` plain ones (nothing measured changes it)."""
 
@@ -428,6 +468,42 @@ def test_prompt_lookup_index_equals_a_scan_whatever_it_grows_by(seed, vocab, ngr
             assert lookup.propose(tokens, k) == _reference_proposal(tokens, k, 1, ngram_max)
 
 
+@given(seed=st.integers(0, 10_000), vocab=st.sampled_from([3, 8, 300]), ahead=st.integers(0, 6), k=st.integers(1, 8))
+@settings(max_examples=60, deadline=None)
+def test_proposing_ahead_matches_through_expected_tokens_and_never_indexes_them(seed, vocab, ahead, k):
+    """`propose_ahead(tokens, ahead, k)`: what a scan of tokens + ahead proposes where the match
+    lies in `tokens` (the index holds `tokens` only), and the index afterwards as if `ahead` had
+    never been seen: a guess that fails leaves no trace."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+    guess = [rng.randrange(vocab) for _ in range(ahead)]
+    lookup, fresh = PromptLookup(1, 4), PromptLookup(1, 4)
+    got = lookup.propose_ahead(tokens, guess, k)
+    full = tokens + guess
+    want = []
+    for n in range(min(4, len(full)), 0, -1):  # the latest earlier occurrence that starts in `tokens`
+        suffix = full[len(full) - n:]
+        hits = [i for i in range(n, len(tokens)) if full[i - n:i] == suffix]
+        if hits:
+            want = full[hits[-1]:hits[-1] + k]
+            break
+    assert got == want
+    more = [rng.randrange(vocab) for _ in range(5)]
+    assert lookup.propose(tokens + more, k) == fresh.propose(tokens + more, k)
+
+
+def test_a_chained_steps_expected_tokens_weigh_the_chance_that_all_proposals_stand():
+    """Chained, a row's step yields (1 + expected) / (2 - f) tokens (f: how often all its proposals
+    stood, as recorded): a row whose proposals always all stand adds what it expects; one whose
+    runs always break early adds less than a plain step's token would (negative)."""
+    always, broken = Adaptive(4, padded=True), Adaptive(4, padded=True)
+    for _ in range(30):
+        always.record(4, 4)
+        broken.record(4, 1)
+    assert always.expected_chained() == pytest.approx(always.expected(), rel=1e-3)
+    assert broken.expected_chained() < 0 < broken.expected()
+
+
 def test_a_pending_index_proposes_nothing_until_built_then_what_the_index_does():
     from concurrent.futures import Future
 
@@ -498,7 +574,9 @@ def test_speculative_settings_parse():
     assert EngineConfig().speculative == "auto"
     assert EngineConfig(speculative="off").speculative == "off"
     assert EngineConfig.from_dict({"speculative": {"max_tokens": 4}}).speculative == SpecConfig(max_tokens=4)
-    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes", {"method": "draft"}, {"draft_model": "x"}):
+    assert SpecConfig().chain and EngineConfig.from_dict({"speculative": {"chain": False}}).speculative.chain is False
+    for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes", {"method": "draft"}, {"draft_model": "x"},
+                {"chain": "yes"}):
         with pytest.raises(ValueError):
             parse_speculative(bad)
     assert StepRunner.__name__ and EngineConfig(speculative=False).speculative == "off"

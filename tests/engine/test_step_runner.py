@@ -79,7 +79,9 @@ def prefix_cache(model, tokens, max_kv_size=None):
     return cache
 
 
-def drive(model, make, jobs: list[Job], max_running: int = 8, **config) -> list[Job]:
+def drive(model, make, jobs: list[Job], max_running: int = 8, sampling: dict | None = None, **config) -> list[Job]:
+    """Run `jobs` through the runner `make` builds, greedy (or `sampling`'s settings, job i seeded i
+    more than its seed)."""
     runner = make(model, EngineConfig(model="tiny", max_running=max_running, prefill_batch=min(4, max_running),
                                       **config))
     jobs = [Job(j.prompt, j.max_tokens, j.arrive, j.abort, j.stop, j.prefix) for j in jobs]
@@ -89,8 +91,9 @@ def drive(model, make, jobs: list[Job], max_running: int = 8, **config) -> list[
             # the engine's scheduler admits no more than max_running; later arrivals wait for a row
             if i not in started and j.arrive <= step and len(runner) < max_running:
                 started.add(i)
-                params = SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=True,
-                                        stop_token_ids=j.stop)
+                extra = {} if sampling is None else {**sampling, "seed": sampling.get("seed", 0) + i}
+                params = SamplingParams(**{"max_tokens": j.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                                           "stop_token_ids": j.stop, **extra})
                 cache = prefix_cache(model, j.prompt[:j.prefix], config.get("max_kv_size")) if j.prefix else None
                 runner.insert(str(i), j.prompt[j.prefix:], j.prompt[:j.prefix], cache,
                               make_decoding(params, len(j.prompt), []), j.max_tokens)
