@@ -62,6 +62,7 @@ class EngineProcess:
         self._reader_task: asyncio.Task | None = None
         self._ready = False
         self._openblas: bool | None = None
+        self._process_info: dict[str, Any] = {}  # what the worker said of its process, for stats()
         self._tokenizer: Any = None  # the model's tokenizer, for the text of requests without stop strings
         self._gone: str | None = None  # why the worker is gone, once it is
         self._closing = False  # shutdown() was called: refusals say the server is shutting down
@@ -102,8 +103,8 @@ class EngineProcess:
         self._tokenizer = await asyncio.to_thread(tokenizer_for, self.config.model)
         self.model_name, self.context_length = info["model_name"], info["context_length"]
         self._openblas = info.get("openblas")  # OpenBLAS preloaded in the engine's process (Linux)
-        self._stats = {"ready": True, "model": self.model_name, "openblas": self._openblas,
-                       "engine_pid": info.get("pid")}
+        self._process_info = {"openblas": self._openblas, "engine_switch_interval_ms": info.get("switch_interval_ms")}
+        self._stats = {"ready": True, "model": self.model_name, "engine_pid": info.get("pid"), **self._process_info}
         self._ready = True
         self._reader_task = asyncio.create_task(self._read(reader))
 
@@ -211,7 +212,7 @@ class EngineProcess:
                 if queue is not None:
                     queue.put_nowait([event_from_wire(rid, w) for w in wires])
         elif kind == "stats":
-            self._stats = {**message[1], "openblas": self._openblas, "engine_pid": self.process.pid}
+            self._stats = {**message[1], **self._process_info, "engine_pid": self.process.pid}
         elif kind == "refused":
             queue = self._streams.get(message[1])
             if queue is not None:

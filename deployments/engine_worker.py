@@ -149,7 +149,10 @@ async def serve(path: str) -> None:
     hello = await receive(reader)
     if not hello or hello[0] != "config":
         raise RuntimeError("the replica sent no engine settings")
-    engine = AsyncEngine(config_from_wire(hello[1]))
+    config = config_from_wire(hello[1])
+    if config.switch_interval_ms is not None:  # before the MLX thread exists: the whole process's
+        sys.setswitchinterval(config.switch_interval_ms / 1000)
+    engine = AsyncEngine(config)
     try:
         await engine.wait_ready()
     except Exception as exc:
@@ -157,7 +160,8 @@ async def serve(path: str) -> None:
         await writer.drain()
         return
     writer.write(pack(["ready", {"model_name": engine.model_name, "context_length": engine.context_length,
-                                 "pid": os.getpid(), "openblas": openblas_loaded()}]))
+                                 "pid": os.getpid(), "openblas": openblas_loaded(),
+                                 "switch_interval_ms": sys.getswitchinterval() * 1000}]))
     worker = Worker(engine, writer)
     stats = asyncio.create_task(worker.publish_stats())
     while (message := await receive(reader)) is not None:

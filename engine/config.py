@@ -117,6 +117,11 @@ class EngineConfig:
     # p50 / mean 58.4 / 63.5 ms against 62.6 / 94.6, and the device host built such a step 10 %
     # faster at 1 / 8 / 32 rows (benchmarks/engine/step_build.py). false: two forwards.
     flat_step: bool | str = "auto"
+    # The engine process's interpreter switch interval (`sys.setswitchinterval`), in ms: how long
+    # its event loop (requests in, each step's events out) may wait for the interpreter while the
+    # MLX thread builds a step in Python. null: Python's 5 ms. Applied where the engine runs in a
+    # process of its own (deployments/engine_worker.py), never in a replica shared with Serve.
+    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_chunk != "auto" and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -147,6 +152,9 @@ class EngineConfig:
             raise ValueError(f"engine.first_token_read must be one of {FIRST_TOKEN_READS}, got {self.first_token_read!r}")
         if self.cudnn_attention not in (True, False, "auto"):
             raise ValueError('engine.cudnn_attention must be true, false or "auto"')
+        if self.switch_interval_ms is not None and (
+                not isinstance(self.switch_interval_ms, (int, float)) or not 0.01 <= self.switch_interval_ms <= 100):
+            raise ValueError("engine.switch_interval_ms must be a number of ms from 0.01 to 100, or null")
         if self.flat_step not in (True, False, "auto"):
             raise ValueError('engine.flat_step must be true, false or "auto"')
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))

@@ -88,6 +88,24 @@ def test_the_same_events_as_the_engine_in_process(tiny_model_dir):
     assert all(e[-1].finished for e in there) and there[0][0].logprob is not None
 
 
+@pytest.mark.parametrize("ms", [None, 0.5])
+def test_the_engine_process_takes_its_switch_interval(tiny_model_dir, ms):
+    """`engine.switch_interval_ms` sets the engine process's interpreter switch interval (its event
+    loop against the MLX thread); unset, Python's own 5 ms stays."""
+    async def go() -> dict:
+        engine = EngineProcess(config(tiny_model_dir, switch_interval_ms=ms))
+        await engine.wait_ready(120)
+        try:
+            await events_of(engine, req("x", 3, max_tokens=2))
+            return engine.stats()
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(go())["engine_switch_interval_ms"] == pytest.approx(5.0 if ms is None else ms)
+    with pytest.raises(ValueError):
+        EngineConfig(switch_interval_ms=0)
+
+
 class FrameSink:
     """The replica's end of the socket, for a `Worker` run in this process."""
 
