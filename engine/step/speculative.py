@@ -45,7 +45,9 @@ class SpecConfig:
     # A GPU's verifying step built before the step in flight is read back, on the guess that the
     # proposals that step verifies all stand (engine/step/step_runner.py `_chains`); false: a
     # verifying step reads the step in flight first. No effect on a CPU (its step runs as built).
-    chain: bool = True
+    # False until the device measures it: each failed guess costs the row a step, against the overlap
+    # a verifying step gives up (session 29 had no device time left for the A/B, docs/accelerators.md).
+    chain: bool = False
     # 5, not 3: replayed over recorded greedy outputs (benchmarks/engine/spec_replay.py, session 26),
     # a longer match first lifts code edits 3.28 -> 3.55 tokens a step at one row on the CPU's
     # policy (3.83 -> 4.08 on the GPU's), the agent turns 2.34 -> 2.38, with fewer proposals made.

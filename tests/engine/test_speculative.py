@@ -150,7 +150,8 @@ def test_the_gpus_verifying_steps_chain_on_the_step_in_flight_and_match(model, k
     jobs = echo_jobs(model, seed=6, n=5, spread=10)
     for rows in (1, 8):
         seen: dict = {}
-        ours = drive(model, gated_runner(SpecConfig(max_tokens=k), seen, FixedGate(1.0)), jobs[:rows], max_running=rows)
+        ours = drive(model, gated_runner(SpecConfig(max_tokens=k, chain=True), seen, FixedGate(1.0)), jobs[:rows],
+                     max_running=rows)
         assert_same(ours, drive(model, Runner, jobs[:rows], max_running=rows))
         c = seen["runner"].counters()
         assert c["spec_chained_steps"] > 0 and c["spec_void_rows"] > 0, c
@@ -165,7 +166,7 @@ def test_chained_steps_keep_a_seeded_rows_draws(model):
     seen: dict = {}
     off = drive(model, lambda m, config: StepRunner(m, replace(config, speculative="off"), on_cpu=False), jobs,
                 max_running=4, sampling=sampling)
-    ours = drive(model, gated_runner(SpecConfig(max_tokens=6), seen, FixedGate(1.0)), jobs, max_running=4,
+    ours = drive(model, gated_runner(SpecConfig(max_tokens=6, chain=True), seen, FixedGate(1.0)), jobs, max_running=4,
                  sampling=sampling)
     assert_same(ours, off)
     c = seen["runner"].counters()
@@ -574,7 +575,7 @@ def test_speculative_settings_parse():
     assert EngineConfig().speculative == "auto"
     assert EngineConfig(speculative="off").speculative == "off"
     assert EngineConfig.from_dict({"speculative": {"max_tokens": 4}}).speculative == SpecConfig(max_tokens=4)
-    assert SpecConfig().chain and EngineConfig.from_dict({"speculative": {"chain": False}}).speculative.chain is False
+    assert not SpecConfig().chain and EngineConfig.from_dict({"speculative": {"chain": True}}).speculative.chain
     for bad in ({"method": "nope"}, {"max_tokens": 0}, "sometimes", {"method": "draft"}, {"draft_model": "x"},
                 {"chain": "yes"}):
         with pytest.raises(ValueError):
