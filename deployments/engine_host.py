@@ -276,7 +276,8 @@ class EngineHost:
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
-        stats.setdefault("openblas", openblas_loaded())
+        if "openblas" not in stats:  # the engine's own process says so; else this one's (reads /proc: not per call)
+            stats["openblas"] = openblas_loaded()
         stats["stream_items"] = {"request": self.items["request"], "channel": self.items["channel"]}
         return stats
 
